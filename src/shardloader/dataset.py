@@ -1,0 +1,143 @@
+"""`Dataset`: the map-style view over an indexed, sharded dataset, whatever its format.
+
+`len(ds)` is the number of samples in the index and `ds[i]` is global sample `i` as a dict of
+fields, read from the shard that holds it. Readers are opened lazily and per process, so a
+Dataset pickles cheaply into worker processes (only the index and the source travel).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from shardloader.format.index import Index
+from shardloader.format.reader import ShardReader, open_shard
+from shardloader.source import LocalSource, ShardSource, is_local, load_index, strip_file_scheme
+
+INDEX_FIELD = "__index__"
+KEY_FIELD = "__key__"
+
+
+class Dataset:
+    """A sharded dataset described by `index.json` at `path_or_url`.
+
+    Local paths are read in place. Remote URLs (any fsspec protocol) are read through the
+    node's shard cache in `cache_dir`, bounded by `cache_limit` (bytes or a string like
+    "200GB"). `verify` checks each shard's size and checksum the first time a process opens it.
+    `max_open_shards` bounds how many shard readers a process keeps open.
+    """
+
+    def __init__(
+        self,
+        path_or_url: str | os.PathLike[str],
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        verify: bool = True,
+        max_open_shards: int = 16,
+    ) -> None:
+        self.url = os.fspath(path_or_url)
+        self.storage_options = dict(storage_options or {})
+        self.index: Index = load_index(self.url, self.storage_options)
+        self.source: ShardSource = _make_source(
+            self.url, cache_dir=cache_dir, cache_limit=cache_limit,
+            storage_options=self.storage_options, verify=verify,
+        )
+        self.max_open_shards = max_open_shards
+        self._reset_process_state()
+
+    def _reset_process_state(self) -> None:
+        self._readers: OrderedDict[int, ShardReader] = OrderedDict()
+        self._readers_lock = threading.RLock()
+        self._pid = os.getpid()
+
+    # -- pickling: only the description travels, never open files ------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in ("_readers", "_readers_lock", "_pid"):
+            state.pop(key, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_process_state()
+
+    # -- map-style access ---------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.index.num_samples
+
+    def __getitem__(self, sample: int) -> dict[str, Any]:
+        sample = int(sample)
+        if sample < 0:
+            sample += len(self)
+        shard, row = self.index.locate(sample)
+        record = self.reader(shard).read(row)
+        record[INDEX_FIELD] = sample
+        return record
+
+    def get_many(self, samples: Sequence[int] | np.ndarray) -> list[dict[str, Any]]:
+        """Samples in the order given, reading each shard's rows in one call."""
+        samples = np.asarray(samples, dtype=np.int64)
+        shards, rows = self.index.locate_many(samples)
+        out: list[dict[str, Any] | None] = [None] * len(samples)
+        for shard in np.unique(shards):
+            positions = np.flatnonzero(shards == shard)
+            records = self.reader(int(shard)).read_rows(rows[positions].tolist())
+            for pos, record in zip(positions.tolist(), records):
+                record[INDEX_FIELD] = int(samples[pos])
+                out[pos] = record
+        return out  # type: ignore[return-value]
+
+    # -- shard readers ------------------------------------------------------------------------
+    def reader(self, shard: int) -> ShardReader:
+        """The open reader of shard `shard`, opening (and verifying) it on first use."""
+        if os.getpid() != self._pid:
+            self._reset_process_state()
+        with self._readers_lock:
+            reader = self._readers.get(shard)
+            if reader is not None:
+                self._readers.move_to_end(shard)
+                return reader
+            info = self.index.shards[shard]
+            reader = open_shard(info, self.source.local_path(info))
+            self._readers[shard] = reader
+            while len(self._readers) > self.max_open_shards:
+                old_shard, old_reader = self._readers.popitem(last=False)
+                old_reader.close()
+                self.source.release(self.index.shards[old_shard])
+            return reader
+
+    def close(self) -> None:
+        """Close every open reader of this process."""
+        with self._readers_lock:
+            while self._readers:
+                shard, reader = self._readers.popitem()
+                reader.close()
+                self.source.release(self.index.shards[shard])
+
+    def __repr__(self) -> str:
+        return (
+            f"Dataset({self.url!r}, samples={len(self)}, shards={self.index.num_shards}, "
+            f"fingerprint={self.index.fingerprint})"
+        )
+
+
+def _make_source(
+    url: str,
+    *,
+    cache_dir: str | os.PathLike[str] | None,
+    cache_limit: int | str | None,
+    storage_options: dict[str, Any],
+    verify: bool,
+) -> ShardSource:
+    if is_local(url):
+        return LocalSource(strip_file_scheme(url), verify=verify)
+    from shardloader.cache.remote import RemoteSource  # the cache issue provides this
+
+    return RemoteSource(url, cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options)

@@ -1,0 +1,46 @@
+"""The exceptions shardloader raises. Every message names the file, shard or field at fault."""
+
+
+class ShardloaderError(Exception):
+    """Base class for every error shardloader raises on purpose."""
+
+
+class DatasetIndexError(ShardloaderError):
+    """`index.json` is missing, malformed, of an unknown version, or inconsistent."""
+
+
+class ShardError(ShardloaderError):
+    """A shard is missing, truncated, corrupt, or does not match its index entry."""
+
+
+class ChecksumMismatch(ShardError):
+    """A shard's bytes do not hash to the checksum recorded in the index."""
+
+
+class UnsafePathError(ShardloaderError):
+    """A path taken from an index or a tar member would escape its root."""
+
+
+class SchemaError(ShardloaderError):
+    """Samples or shards disagree on the fields and types of the schema."""
+
+
+class StateError(ShardloaderError):
+    """A saved state does not fit the object it is loaded into (fingerprint or shape differs)."""
+
+
+class FetchError(ShardloaderError):
+    """A remote object could not be fetched (permanent error, or retries exhausted)."""
+
+
+class CacheFullError(ShardloaderError):
+    """The cache limit is smaller than what must be resident at once."""
+
+
+class WorkerError(ShardloaderError):
+    """A worker process died or raised while producing a batch."""
+
+
+class CheckpointError(ShardloaderError):
+    """A checkpoint could not be written, or does not verify."""
+

@@ -1,0 +1,44 @@
+"""Opening a shard for row access, whatever its format.
+
+A `ShardReader` reads single rows or lists of rows of one local shard file without
+materialising the whole shard as Python objects (Arrow is memory-mapped, tars are read by
+seeking to recorded member offsets, Parquet reads only the row groups that hold the rows).
+Values come back as plain Python objects per field: `bytes` for binary fields, `int`,
+`float`, `str`, and `numpy.ndarray` for fixed-shape array fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from shardloader.format.index import ShardInfo
+
+
+class ShardReader(Protocol):
+    """Row access to one shard. Readers are opened per process and are not shared across fork."""
+
+    def __len__(self) -> int: ...
+
+    def read(self, row: int) -> dict[str, Any]: ...
+
+    def read_rows(self, rows: Sequence[int]) -> list[dict[str, Any]]: ...
+
+    def close(self) -> None: ...
+
+
+def open_shard(info: ShardInfo, local_path: str) -> ShardReader:
+    """Open the local file of shard `info` with the reader for its format."""
+    if info.format == "arrow":
+        from shardloader.format.arrow import ArrowShardReader
+
+        return ArrowShardReader(local_path, info)
+    if info.format == "tar":
+        from shardloader.format.tar import TarShardReader
+
+        return TarShardReader(local_path, info)
+    if info.format == "parquet":
+        from shardloader.format.parquet import ParquetShardReader
+
+        return ParquetShardReader(local_path, info)
+    raise ValueError(f"{info.path}: unknown shard format {info.format!r}")

@@ -1,0 +1,373 @@
+"""`Loader`: a drop-in replacement for torch.utils.data.DataLoader that resumes exactly.
+
+Batches are a pure function of (dataset, seed, epoch, settings): the order comes from
+`shardloader.order`, each sample's augmentation runs under its own key, and workers return
+batches in order. The loader's state is a cursor (epoch, global positions consumed) plus a
+fingerprint, so `load_state_dict` costs O(1) and continues with exactly the batches an
+uninterrupted run would have produced, under any `num_workers` and any world size with the
+same global batch size (invariants I1–I5).
+
+Epochs: iterating the loader yields the rest of the current epoch. When an epoch has been
+consumed to its end, the next `iter()` starts the following epoch (no `set_epoch` needed);
+`set_epoch(e)` jumps to epoch e (keeping the position when e is the current epoch, so the usual
+`for epoch in ...: loader.set_epoch(epoch)` loop resumes correctly). A new `iter()` in the
+middle of an epoch continues from the position the caller reached.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from shardloader.errors import StateError
+from shardloader.loader.batches import BatchProducer, BatchTask, BatchTimings, Transform, pin
+from shardloader.loader.state import fingerprint_differences, make_state, validate_state
+from shardloader.loader.workers import make_pool
+from shardloader.order.partition import (
+    check_tail,
+    check_world,
+    dropped_samples,
+    epoch_length,
+    padded_samples,
+    step_positions,
+    steps_per_epoch,
+)
+from shardloader.order.shuffle import DEFAULT_PARTITIONS, DEFAULT_WINDOW, EpochOrder, ShuffleSettings
+
+
+def _default_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return (dist.get_rank() if rank is None else rank,
+                dist.get_world_size() if world_size is None else world_size)
+    return (rank or 0), (world_size or 1)
+
+
+class Loader:
+    """Batches of `dataset` for this rank, in a deterministic, resumable order.
+
+    `batch_size` is per rank; the global batch size is `batch_size * world_size` and is part
+    of the fingerprint. `tail` chooses what happens to the last incomplete global batch:
+    "pad" (default; fill from the epoch's start), "drop" (`drop_last=True`) or "partial".
+    `partitions` and `window` are the shuffle settings (see `shardloader.order.shuffle`): each
+    rank keeps about ceil(partitions / world_size) * window shards resident.
+    `worker_type` is "process" (default) or "thread".
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        num_workers: int = 0,
+        transform: Transform | None = None,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        tail: str | None = None,
+        prefetch_factor: int = 2,
+        persistent_workers: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
+        partitions: int = DEFAULT_PARTITIONS,
+        window: int = DEFAULT_WINDOW,
+        worker_type: str = "process",
+        transform_version: str | None = None,
+        telemetry: Any = None,
+        multiprocessing_context: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if prefetch_factor < 1:
+            raise ValueError(f"prefetch_factor must be >= 1, got {prefetch_factor}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.rank, self.world_size = _default_rank_world(rank, world_size)
+        self.global_batch_size = batch_size * self.world_size
+        check_world(self.global_batch_size, self.world_size, self.rank)
+        self.seed = int(seed)
+        self.settings = ShuffleSettings(shuffle=bool(shuffle), partitions=partitions, window=window)
+        self.tail = check_tail(tail if tail is not None else ("drop" if drop_last else "pad"))
+        self.num_workers = num_workers
+        self.worker_type = worker_type
+        self.prefetch_factor = prefetch_factor
+        self.persistent_workers = persistent_workers
+        self.pin_memory = pin_memory
+        self.transform = transform
+        self.transform_version = transform_version
+        self.telemetry = telemetry
+        self._producer = BatchProducer(dataset, seed=self.seed, transform=transform, collate_fn=collate_fn)
+        self._mp_context = multiprocessing_context
+        self._timeout = timeout
+        self._pool: Any = None
+        self._epoch = 0
+        self._position = 0  # global positions consumed in the current epoch
+        self._order_cache: tuple[int, EpochOrder] | None = None
+        self._next_task_id = 0
+        self._generation = 0
+        self._stats = _make_stats()
+
+    # -- sizes --------------------------------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        return len(self.dataset)
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank."""
+        return steps_per_epoch(self.num_samples, self.global_batch_size, self.tail)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def tail_report(self) -> dict[str, int]:
+        """How many samples each epoch pads or drops to give every rank equal batches."""
+        n, g = self.num_samples, self.global_batch_size
+        return {"padded": padded_samples(n, g, self.tail), "dropped": dropped_samples(n, g, self.tail)}
+
+    # -- order --------------------------------------------------------------------------------
+    def epoch_order(self, epoch: int) -> EpochOrder:
+        if self._order_cache is None or self._order_cache[0] != epoch:
+            sizes = np.diff(self.dataset.index.sample_offsets)
+            self._order_cache = (epoch, EpochOrder(sizes, self.seed, epoch, self.settings))
+        return self._order_cache[1]
+
+    def step_samples(self, epoch: int, step: int, rank: int | None = None) -> np.ndarray:
+        """Global sample indices of `rank`'s batch at `step` of `epoch` (no data is read)."""
+        rank = self.rank if rank is None else rank
+        positions = step_positions(step, rank, self.world_size, self.global_batch_size, self.num_samples, self.tail)
+        return self.epoch_order(epoch).samples_at(positions)
+
+    # -- epochs and state ---------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Move to `epoch`; a no-op (position kept) when it is the current epoch."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if epoch != self._epoch:
+            self._epoch, self._position = int(epoch), 0
+            self._generation += 1
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {
+            "index": self.dataset.index.fingerprint,
+            "seed": self.seed,
+            **self.settings.to_dict(),
+            "global_batch_size": self.global_batch_size,
+            "tail": self.tail,
+            "transform_version": self.transform_version,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor: epoch and global positions consumed by batches the caller received."""
+        return make_state(self._epoch, self._position, self.fingerprint())
+
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Resume at `state`'s cursor. Raises StateError when the fingerprint differs, unless
+        `strict=False` (then it warns and resumes at the saved position anyway)."""
+        state = validate_state(state)
+        differences = fingerprint_differences(state["fingerprint"], self.fingerprint())
+        if differences:
+            message = "loader state does not match this loader: " + "; ".join(differences)
+            if strict:
+                raise StateError(message + " (pass strict=False to resume anyway)")
+            warnings.warn(message, stacklevel=2)
+        length = epoch_length(self.num_samples, self.global_batch_size, self.tail)
+        position = state["position"]
+        if position > length or position % self.global_batch_size and position != length:
+            raise StateError(
+                f"loader state position {position} is not a step boundary of an epoch of "
+                f"{length} positions with global batch size {self.global_batch_size}"
+            )
+        self._epoch, self._position = state["epoch"], position
+        self._generation += 1
+
+    # -- iteration ----------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        if self._position >= epoch_length(self.num_samples, self.global_batch_size, self.tail):
+            self._epoch, self._position = self._epoch + 1, 0
+        self._generation += 1
+        return _EpochIterator(self, self._generation)
+
+    def _get_pool(self) -> Any:
+        if self._pool is None:
+            self._pool = make_pool(self._producer, self.num_workers, self.worker_type,
+                                   context=self._mp_context, timeout=self._timeout)
+        return self._pool
+
+    def _release_pool(self, force: bool = False) -> None:
+        if self._pool is not None and (force or not self.persistent_workers):
+            self._pool.close()
+            self._pool = None
+
+    def _new_task_id(self) -> int:
+        self._next_task_id += 1
+        return self._next_task_id
+
+    def stats(self) -> dict[str, Any]:
+        """Telemetry summary of the batches delivered so far (see shardloader.telemetry)."""
+        summary = self._stats.summary() if self._stats is not None else {}
+        summary.update(self.tail_report())
+        return summary
+
+    def close(self) -> None:
+        """Stop the workers. The loader can be iterated again (workers restart)."""
+        self._generation += 1
+        self._release_pool(force=True)
+
+    def __del__(self) -> None:
+        try:
+            self._release_pool(force=True)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def _make_stats() -> Any:
+    try:
+        from shardloader.telemetry import StatsAggregator
+    except ImportError:
+        return None
+    return StatsAggregator()
+
+
+class _EpochIterator:
+    """Iterates the rest of one epoch for one rank; updates the loader's cursor per batch."""
+
+    def __init__(self, loader: Loader, generation: int) -> None:
+        self.loader = loader
+        self.generation = generation
+        self.epoch = loader._epoch
+        self.steps = len(loader)
+        self.next_step = loader._position // loader.global_batch_size
+        self.length = epoch_length(loader.num_samples, loader.global_batch_size, loader.tail)
+        self.pool = loader._get_pool()
+        self.pool.discard_pending()
+        self.in_flight: list[BatchTask] = []
+        self.to_submit = self.next_step
+        depth = max(1, loader.num_workers) * loader.prefetch_factor
+        for _ in range(depth):
+            self._submit_next()
+        self.prefetch_handle = self._start_prefetch()
+        self.finished = False
+
+    def _submit_next(self) -> None:
+        loader = self.loader
+        while self.to_submit < self.steps:
+            step = self.to_submit
+            self.to_submit += 1
+            samples = loader.step_samples(self.epoch, step)
+            if samples.size == 0:  # tail="partial": nothing falls to this rank
+                continue
+            first = step * loader.global_batch_size
+            padded = int(np.count_nonzero(
+                np.arange(first + loader.rank, first + loader.global_batch_size, loader.world_size)
+                >= loader.num_samples)) if loader.tail == "pad" else 0
+            task = BatchTask(loader._new_task_id(), self.epoch, step, samples, padded)
+            self.pool.submit(task)
+            self.in_flight.append(task)
+            return
+
+    def _start_prefetch(self) -> Any:
+        start = getattr(self.loader.dataset.source, "start_prefetch", None)
+        if start is None:
+            return None
+        return start(self._shards_ahead())
+
+    def _shards_ahead(self) -> Iterator[Any]:
+        """Shards this rank will read, in order of need, from the current step on."""
+        loader = self.loader
+        order = EpochOrder(np.diff(loader.dataset.index.sample_offsets), loader.seed, self.epoch, loader.settings)
+        recent: dict[int, None] = {}
+        for step in range(self.next_step, self.steps):
+            positions = step_positions(step, loader.rank, loader.world_size, loader.global_batch_size,
+                                       loader.num_samples, loader.tail)
+            shards = order.shards_of(order.samples_at(positions))
+            _, first = np.unique(shards, return_index=True)
+            for shard in shards[np.sort(first)].tolist():
+                if shard not in recent:
+                    yield loader.dataset.index.shards[shard]
+                recent.pop(shard, None)
+                recent[shard] = None  # most recent last
+                if len(recent) > 256:
+                    recent.pop(next(iter(recent)))
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        loader = self.loader
+        if self.generation != loader._generation:
+            raise RuntimeError("this iterator is stale: the loader was re-iterated, reloaded or closed")
+        start = time.perf_counter()
+        if not self.in_flight:
+            self._finish()
+            raise StopIteration
+        task = self.in_flight.pop(0)
+        queue_depth = self.pool.ready()
+        try:
+            batch, timings = self.pool.get(task.task_id)
+        except BaseException:
+            self._finish(error=True)
+            raise
+        self._submit_next()
+        if loader.pin_memory:
+            batch = pin(batch)
+        fetch_seconds = time.perf_counter() - start
+        loader._position = min((task.step + 1) * loader.global_batch_size, self.length)
+        self._record(task, timings, fetch_seconds, queue_depth, batch)
+        return batch
+
+    def _record(self, task: BatchTask, timings: BatchTimings, fetch_seconds: float,
+                queue_depth: int, batch: Any) -> None:
+        loader = self.loader
+        if loader._stats is None and loader.telemetry is None:
+            return
+        from shardloader.telemetry.records import BatchRecord
+
+        record = BatchRecord(
+            step=self.epoch * self.steps + task.step + 1,
+            epoch=self.epoch,
+            rank=loader.rank,
+            samples=int(task.samples.size),
+            fetch_seconds=fetch_seconds,
+            time=time.time(),
+            read_seconds=timings.read_seconds,
+            transform_seconds=timings.transform_seconds,
+            download_wait_seconds=timings.download_wait_seconds,
+            queue_depth=queue_depth,
+            cache_hits=timings.cache_hits,
+            cache_misses=timings.cache_misses,
+            bytes_downloaded=timings.bytes_downloaded,
+            padded=task.padded,
+        )
+        if loader._stats is not None:
+            loader._stats.on_batch(record)
+        if loader.telemetry is not None:
+            loader.telemetry.on_batch(record)
+
+    def _finish(self, error: bool = False) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        if self.prefetch_handle is not None:
+            self.prefetch_handle.stop()
+        if error:
+            self.loader._release_pool(force=True)
+        else:
+            self.loader._release_pool()
+
+    def __del__(self) -> None:
+        try:
+            if not self.finished and self.prefetch_handle is not None:
+                self.prefetch_handle.stop()
+        except Exception:  # noqa: BLE001
+            pass

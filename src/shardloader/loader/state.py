@@ -1,0 +1,63 @@
+"""The Loader's state: a small plain dict, and its validation on load (invariants I4, I5).
+
+    {"format": "shardloader-loader-state", "version": 1,
+     "epoch": 3, "position": 4096,              # global positions consumed in the epoch
+     "fingerprint": {"index": "...", "seed": 0, "shuffle": true, "partitions": 8,
+                     "window": 2, "global_batch_size": 64, "tail": "pad",
+                     "transform_version": null}}
+
+`position` counts only batches the caller received. Resuming is O(1): the order of any
+position is computable directly, so loading replays nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardloader.errors import StateError
+
+STATE_FORMAT = "shardloader-loader-state"
+STATE_VERSION = 1
+FINGERPRINT_FIELDS = (
+    "index", "seed", "shuffle", "partitions", "window", "global_batch_size", "tail", "transform_version",
+)
+
+
+def make_state(epoch: int, position: int, fingerprint: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "format": STATE_FORMAT,
+        "version": STATE_VERSION,
+        "epoch": int(epoch),
+        "position": int(position),
+        "fingerprint": dict(fingerprint),
+    }
+
+
+def validate_state(state: Any) -> dict[str, Any]:
+    """Check the shape and types of a loader state; return it. Raises StateError."""
+    if not isinstance(state, dict):
+        raise StateError(f"loader state must be a dict, got {type(state).__name__}")
+    if state.get("format") != STATE_FORMAT:
+        raise StateError(f"not a shardloader loader state (format={state.get('format')!r})")
+    if state.get("version") != STATE_VERSION:
+        raise StateError(f"loader state version {state.get('version')!r} is not supported (expected {STATE_VERSION})")
+    for key in ("epoch", "position"):
+        value = state.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise StateError(f"loader state field {key!r} must be a non-negative integer, got {value!r}")
+    fingerprint = state.get("fingerprint")
+    if not isinstance(fingerprint, dict):
+        raise StateError("loader state field 'fingerprint' must be a dict")
+    missing = [f for f in FINGERPRINT_FIELDS if f not in fingerprint]
+    if missing:
+        raise StateError(f"loader state fingerprint lacks {', '.join(missing)}")
+    return state
+
+
+def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Human-readable lines, one per fingerprint field that differs."""
+    lines = []
+    for field in FINGERPRINT_FIELDS:
+        if saved.get(field) != current.get(field):
+            lines.append(f"{field}: saved {saved.get(field)!r}, now {current.get(field)!r}")
+    return lines

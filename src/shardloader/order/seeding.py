@@ -1,0 +1,60 @@
+"""Per-sample randomness for augmentation: a pure function of (seed, epoch, sample index).
+
+Invariant I3: the random draws used to augment sample g in epoch e depend only on
+(seed, epoch, g). A transform that accepts a `generator` keyword gets a `torch.Generator`
+seeded from that key; for transforms that use global generators instead, `random`,
+`numpy.random` and torch's global generator are seeded from the same key while the transform
+runs, and the process's previous states are restored afterwards (`GlobalRngScope`), so the
+worker's own streams are left as they were.
+"""
+
+from __future__ import annotations
+
+import random
+from types import TracebackType
+
+import numpy as np
+import torch
+
+from shardloader.order.keys import TAG_SAMPLE, derive_key
+
+
+def sample_key(seed: int, epoch: int, sample: int) -> int:
+    """The 64-bit key of sample `sample` in epoch `epoch` under `seed`."""
+    return derive_key(TAG_SAMPLE, seed, epoch, sample)
+
+
+def sample_generator(key: int) -> torch.Generator:
+    """A CPU torch.Generator seeded from `key` (torch seeds take 64 bits)."""
+    generator = torch.Generator()
+    generator.manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
+    return generator
+
+
+class GlobalRngScope:
+    """Seeds the global RNGs per sample inside a block and restores the previous states at exit.
+
+    Use one scope per batch and call `seed(key)` before each sample: the save/restore cost is
+    paid once per batch, the seeding once per sample.
+    """
+
+    def __enter__(self) -> GlobalRngScope:
+        self._python = random.getstate()
+        self._numpy = np.random.get_state()
+        self._torch = torch.random.get_rng_state()
+        return self
+
+    def seed(self, key: int) -> None:
+        random.seed(key)
+        np.random.seed([key & 0xFFFF_FFFF, key >> 32])  # legacy numpy: 32-bit words
+        torch.manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        random.setstate(self._python)
+        np.random.set_state(self._numpy)
+        torch.random.set_rng_state(self._torch)

@@ -1,0 +1,6 @@
+"""Shared fixtures. Each area keeps its fixtures in tests/fixtures/<area>.py."""
+
+pytest_plugins = [
+    "tests.fixtures.data",
+    "tests.fixtures.servers",
+]
