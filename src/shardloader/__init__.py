@@ -2,6 +2,7 @@
 
 from shardloader._version import __version__
 from shardloader.dataset import Dataset
+from shardloader.format.writer import write_shards
 from shardloader.loader import Loader
 
-__all__ = ["Dataset", "Loader", "__version__"]
+__all__ = ["Dataset", "Loader", "__version__", "write_shards"]

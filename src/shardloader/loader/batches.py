@@ -8,6 +8,7 @@ so the batches are the same for every `num_workers` and world size (I1, I3).
 from __future__ import annotations
 
 import inspect
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,7 +110,9 @@ class BatchProducer:
         out = []
         transform = self.transform
         assert transform is not None
-        with GlobalRngScope() if self._seed_globals else _NoScope() as scope:
+        # Global RNGs are process-wide: worker threads must take turns seeding and using them.
+        with _GLOBAL_RNG_LOCK if self._seed_globals else _NoScope(), \
+                GlobalRngScope() if self._seed_globals else _NoScope() as scope:
             for record in records:
                 key = sample_key(self.seed, task.epoch, record["__index__"])
                 if self._seed_globals:
@@ -124,6 +127,9 @@ class BatchProducer:
                             result[name] = record[name]
                 out.append(result)
         return out
+
+
+_GLOBAL_RNG_LOCK = threading.Lock()
 
 
 class _NoScope:

@@ -1,0 +1,125 @@
+"""The generic exact-resume helper that every resumable part's tests call.
+
+`assert_exact_resume(make_loader, total_batches, cuts)` runs an uninterrupted reference and
+records every batch (its `__index__` and the bytes of every tensor, bit for bit); then, for each
+resume plan, consumes up to a cut, takes `state_dict()`, sends it through JSON (state must be
+a small plain dict), builds a fresh loader, loads the state and continues. The concatenation
+of all segments must equal the reference exactly: same samples, same order, same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class RecordedBatch:
+    """What a batch was, exactly: sample indices and every field's bytes, dtype and shape."""
+
+    indices: tuple[int, ...]
+    fields: tuple[tuple[str, str, tuple[int, ...], bytes], ...]
+
+    def describe(self) -> str:
+        return f"indices={list(self.indices)[:8]}{'...' if len(self.indices) > 8 else ''}"
+
+
+def record(batch: Any) -> RecordedBatch:
+    """Freeze a batch (a dict from the Loader) into comparable bytes."""
+    if not isinstance(batch, dict):
+        raise TypeError(f"expected a dict batch, got {type(batch).__name__}")
+    indices = tuple(int(i) for i in batch["__index__"].tolist())
+    fields = []
+    for name in sorted(batch):
+        value = batch[name]
+        if isinstance(value, torch.Tensor):
+            array = value.detach().cpu().contiguous()
+            fields.append((name, str(array.dtype), tuple(array.shape), array.numpy().tobytes()))
+        elif isinstance(value, np.ndarray):
+            fields.append((name, str(value.dtype), value.shape, value.tobytes()))
+        elif isinstance(value, (list, tuple)):
+            fields.append((name, "list", (len(value),), repr(list(value)).encode()))
+    return RecordedBatch(indices, tuple(fields))
+
+
+def take(loader: Any, count: int) -> list[RecordedBatch]:
+    """Consume `count` batches, crossing epoch boundaries by re-iterating the loader."""
+    out: list[RecordedBatch] = []
+    while len(out) < count:
+        received = 0
+        for batch in loader:
+            out.append(record(batch))
+            received += 1
+            if len(out) == count:
+                break
+        if received == 0:
+            raise AssertionError(f"loader produced no batch after {len(out)} of {count}")
+    return out
+
+
+def plain_state(state: dict[str, Any]) -> dict[str, Any]:
+    """A state must survive JSON unchanged: it is a small plain dict."""
+    text = json.dumps(state)
+    assert len(text) < 4096, f"state is {len(text)} bytes; resume state must stay small"
+    restored = json.loads(text)
+    assert restored == state
+    return restored
+
+
+def assert_same_batches(actual: Sequence[RecordedBatch], expected: Sequence[RecordedBatch], what: str) -> None:
+    assert len(actual) == len(expected), f"{what}: {len(actual)} batches, expected {len(expected)}"
+    for i, (a, e) in enumerate(zip(actual, expected)):
+        if a.indices != e.indices:
+            raise AssertionError(f"{what}: batch {i} has {a.describe()}, expected {e.describe()}")
+        if a.fields != e.fields:
+            names = [f[0] for f in a.fields if f not in e.fields]
+            raise AssertionError(f"{what}: batch {i} has the right samples but different bytes in {names}")
+
+
+def assert_exact_resume(
+    make_loader: Callable[[], Any],
+    total_batches: int,
+    plans: Iterable[Sequence[int]],
+    *,
+    make_resumed: Callable[[int], Any] | None = None,
+    reference: Sequence[RecordedBatch] | None = None,
+) -> list[RecordedBatch]:
+    """Check that every resume plan reproduces the uninterrupted run.
+
+    A plan is a list of cut points (batch counts, increasing): the run stops at each cut, saves
+    state, and a fresh loader continues. `make_resumed(segment)` builds the loader for segment
+    1, 2, ... (default `make_loader`), e.g. with another `num_workers`.
+    """
+    if reference is None:
+        loader = make_loader()
+        reference = take(loader, total_batches)
+        _close(loader)
+    for plan in plans:
+        cuts = list(plan) + [total_batches]
+        assert cuts == sorted(cuts), f"cuts must increase: {plan}"
+        loader = make_loader()
+        got: list[RecordedBatch] = []
+        done = 0
+        for segment, cut in enumerate(cuts):
+            got.extend(take(loader, cut - done) if cut > done else [])
+            done = cut
+            if segment == len(cuts) - 1:
+                break
+            state = plain_state(loader.state_dict())
+            _close(loader)
+            loader = (make_resumed or (lambda _s: make_loader()))(segment + 1)
+            loader.load_state_dict(state)
+        _close(loader)
+        assert_same_batches(got, reference, f"resume plan {list(plan)}")
+    return list(reference)
+
+
+def _close(loader: Any) -> None:
+    close = getattr(loader, "close", None)
+    if close is not None:
+        close()

@@ -1,0 +1,222 @@
+"""The Loader: batches are a pure function of (dataset, seed, epoch) (I1, I3), resume is exact
+and O(1) under any num_workers (I4), state is validated (I5), and failures are clear (I9)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from shardloader import Dataset, Loader
+from shardloader.errors import StateError, WorkerError
+from shardloader.format.writer import write_shards
+from tests.resume import assert_exact_resume, record, take
+from tests.sample_transforms import make_samples as _samples
+from tests.sample_transforms import noisy_crop
+
+
+@pytest.fixture(scope="module")
+def dataset_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("loader-ds")
+    write_shards(_samples(403), str(out), shard_samples=37)
+    return str(out)
+
+
+def make(dataset_dir, **kw):
+    args = dict(batch_size=8, seed=5, transform=noisy_crop, partitions=4, window=2)
+    args.update(kw)
+    return Loader(Dataset(dataset_dir), **args)
+
+
+def test_every_sample_once_per_epoch_and_epochs_differ(dataset_dir):
+    loader = make(dataset_dir, tail="partial")
+    first = [i for b in loader for i in b["__index__"].tolist()]
+    second = [i for b in loader for i in b["__index__"].tolist()]
+    assert sorted(first) == list(range(403)) and sorted(second) == list(range(403))
+    assert first != second and loader.epoch == 1
+    assert len(loader) == 51
+
+
+@pytest.mark.parametrize("workers,kind", [(2, "process"), (1, "process"), (3, "thread")])
+def test_batches_do_not_depend_on_workers(dataset_dir, workers, kind):
+    reference = take(make(dataset_dir), 20)
+    loader = make(dataset_dir, num_workers=workers, worker_type=kind)
+    assert take(loader, 20) == reference
+    loader.close()
+
+
+def test_augmentation_is_keyed_by_sample_not_by_position(dataset_dir):
+    """The same sample gets the same augmented bytes wherever it lands in the epoch."""
+    a = make(dataset_dir, seed=5)
+    b = make(dataset_dir, seed=5, shuffle=False)
+    by_index_a = {}
+    for batch in a:
+        for i, crop in zip(batch["__index__"].tolist(), batch["crop"]):
+            by_index_a[i] = crop.numpy().tobytes()
+    for batch in b:
+        for i, crop in zip(batch["__index__"].tolist(), batch["crop"]):
+            assert by_index_a[i] == crop.numpy().tobytes()
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [[0], [1], [25], [50], [51], [52], [60], [3, 7, 8, 40], [50, 51, 52]],
+    ids=lambda p: "cuts-" + "-".join(map(str, p)),
+)
+def test_exact_resume_inline(dataset_dir, plan):
+    assert_exact_resume(lambda: make(dataset_dir), 2 * 51 + 3, [plan])
+
+
+@pytest.mark.parametrize("before,after", [(0, 2), (2, 0), (1, 3)])
+def test_exact_resume_changing_num_workers(dataset_dir, before, after):
+    assert_exact_resume(
+        lambda: make(dataset_dir, num_workers=before),
+        60,
+        [[13], [51]],
+        make_resumed=lambda _segment: make(dataset_dir, num_workers=after),
+    )
+
+
+def test_state_is_a_small_cursor(dataset_dir):
+    loader = make(dataset_dir)
+    take(loader, 3)
+    state = loader.state_dict()
+    assert state["epoch"] == 0 and state["position"] == 24
+    assert state["fingerprint"]["global_batch_size"] == 8
+    assert state["fingerprint"]["index"] == loader.dataset.index.fingerprint
+
+
+def test_resume_does_not_replay(dataset_dir):
+    """Loading a state reads no data: the resumed loader reads only the batches it yields."""
+    loader = make(dataset_dir)
+    take(loader, 40)
+    state = loader.state_dict()
+    fresh = make(dataset_dir)
+    fresh.load_state_dict(state)
+    assert fresh.dataset._readers == {}  # nothing opened by load_state_dict
+    batch = next(iter(fresh))
+    expected = fresh.step_samples(0, 40)
+    assert batch["__index__"].tolist() == expected.tolist()
+
+
+def test_set_epoch_keeps_position_of_current_epoch(dataset_dir):
+    loader = make(dataset_dir)
+    take(loader, 5)
+    loader.set_epoch(0)
+    assert loader.state_dict()["position"] == 40
+    loader.set_epoch(3)
+    assert loader.state_dict()["epoch"] == 3 and loader.state_dict()["position"] == 0
+    assert next(iter(loader))["__index__"].tolist() == loader.step_samples(3, 0).tolist()
+
+
+@pytest.mark.parametrize(
+    "change,field",
+    [({"seed": 6}, "seed"), ({"batch_size": 4}, "global_batch_size"), ({"shuffle": False}, "shuffle"),
+     ({"window": 3}, "window"), ({"transform_version": "v2"}, "transform_version")],
+)
+def test_mismatched_fingerprint_is_rejected(dataset_dir, change, field):
+    loader = make(dataset_dir)
+    take(loader, 2)
+    state = loader.state_dict()
+    other = make(dataset_dir, **change)
+    with pytest.raises(StateError, match=field):
+        other.load_state_dict(state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other.load_state_dict(state, strict=False)
+    assert any(field in str(w.message) for w in caught)
+
+
+def test_dataset_changed_under_saved_state(tmp_path, dataset_dir):
+    loader = make(dataset_dir)
+    take(loader, 2)
+    state = loader.state_dict()
+    changed = tmp_path / "changed"
+    samples = list(_samples(403))
+    samples[100]["data"] = b"changed bytes"
+    write_shards(samples, str(changed), shard_samples=37)
+    with pytest.raises(StateError, match="index: saved"):
+        make(str(changed)).load_state_dict(state)
+
+
+def test_malformed_state_is_rejected(dataset_dir):
+    loader = make(dataset_dir)
+    state = loader.state_dict()
+    with pytest.raises(StateError, match="position"):
+        loader.load_state_dict({**state, "position": -1})
+    with pytest.raises(StateError, match="step boundary"):
+        loader.load_state_dict({**state, "position": 3})
+    with pytest.raises(StateError, match="format"):
+        loader.load_state_dict({"epoch": 0})
+
+
+def test_iterating_never_draws_from_the_callers_global_rngs(dataset_dir):
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    expected = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    for workers in (0, 2):
+        loader = make(dataset_dir, num_workers=workers)
+        take(loader, 4)
+        loader.close()
+    got = (random.random(), np.random.rand(), torch.rand(3))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+
+
+def test_killed_worker_is_a_clear_error_not_a_hang(dataset_dir):
+    loader = make(dataset_dir, num_workers=2, prefetch_factor=1)
+    iterator = iter(loader)
+    next(iterator)
+    victim = loader._pool.pids()[0]
+    os.kill(victim, signal.SIGKILL)
+    with pytest.raises(WorkerError, match="SIGKILL"):
+        for _ in range(len(loader)):
+            next(iterator)
+    # the loader recovers: a new iteration starts fresh workers at the consumed position
+    position = loader.state_dict()["position"]
+    batch = next(iter(loader))
+    assert batch["__index__"].tolist() == loader.step_samples(0, position // 8).tolist()
+    loader.close()
+
+
+def test_transform_error_names_the_batch(dataset_dir):
+    def broken(sample):
+        raise ValueError("bad pixels")
+
+    loader = make(dataset_dir, transform=broken, num_workers=1)
+    with pytest.raises(WorkerError, match="bad pixels"):
+        next(iter(loader))
+    loader.close()
+
+
+@pytest.mark.parametrize("tail,batches,last_size", [("pad", 51, 8), ("drop", 50, 8), ("partial", 51, 3)])
+def test_tail_policies(dataset_dir, tail, batches, last_size):
+    loader = make(dataset_dir, tail=tail)
+    got = list(loader)
+    assert len(got) == batches == len(loader)
+    assert got[-1]["__index__"].numel() == last_size
+    report = loader.tail_report()
+    assert report == {"padded": 5 if tail == "pad" else 0, "dropped": 3 if tail == "drop" else 0}
+
+
+def test_loader_is_a_dcp_stateful(dataset_dir):
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    assert isinstance(make(dataset_dir), Stateful)
+
+
+def test_record_detects_byte_differences(dataset_dir):
+    """The resume helper itself must be able to fail: different augmentation seeds differ."""
+    a = take(make(dataset_dir, seed=5), 3)
+    b = take(make(dataset_dir, seed=6), 3)
+    assert a != b
+    batch = next(iter(make(dataset_dir)))
+    assert record(batch) == record(dict(batch))
