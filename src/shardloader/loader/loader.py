@@ -36,7 +36,12 @@ from shardloader.order.partition import (
     step_positions,
     steps_per_epoch,
 )
-from shardloader.order.shuffle import DEFAULT_PARTITIONS, DEFAULT_WINDOW, EpochOrder, ShuffleSettings
+from shardloader.order.shuffle import (
+    DEFAULT_PARTITIONS,
+    DEFAULT_WINDOW,
+    EpochOrder,
+    ShuffleSettings,
+)
 
 
 def _default_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
