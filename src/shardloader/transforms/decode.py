@@ -1,0 +1,161 @@
+"""Decoding encoded image bytes into HWC uint8 numpy arrays.
+
+JPEG goes through simplejpeg (libjpeg-turbo, releases the GIL); other formats (PNG, BMP, TIFF,
+WebP, ...) through OpenCV's `imdecode`; PIL is the fallback for anything those two refuse
+(CMYK JPEGs, unusual PNG modes, other PIL modes) and the reference backend (`backend="pil"`).
+EXIF orientation is ignored by every backend (as PIL and torchvision do by default), so all
+backends give the same geometry.
+
+Output: a C-contiguous `uint8` array of shape (H, W, C): C=3 for "RGB", C=1 for "L",
+C=4 for "RGBA" (PIL modes other than these also decode via PIL; C is that mode's band count).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+
+from shardloader.transforms.base import (
+    Sample,
+    Transform,
+    TransformError,
+    describe_sample,
+    get_field,
+    opencv,
+    with_field,
+)
+
+BACKENDS = ("auto", "pil")
+_JPEG_MAGIC = b"\xff\xd8\xff"
+_SIMPLEJPEG_COLORSPACE = {"RGB": "RGB", "L": "GRAY"}
+
+
+class ImageDecodeError(TransformError):
+    """Bytes that should hold an image do not decode (corrupt, truncated, not an image)."""
+
+
+def is_jpeg(data: Any) -> bool:
+    """True if `data` starts with the JPEG SOI marker."""
+    return bytes(memoryview(data)[:3]) == _JPEG_MAGIC
+
+
+def decode_image(data: Any, mode: str = "RGB", backend: str = "auto") -> np.ndarray:
+    """Decode image bytes (`bytes`, `bytearray`, `memoryview` or a uint8 numpy array) into an
+    HWC uint8 array in PIL mode `mode`. Raises ImageDecodeError with the reason on failure."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown decode backend {backend!r} (known: {', '.join(BACKENDS)})")
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise ImageDecodeError(
+            f"expected encoded image bytes, got {type(data).__name__}"
+        ) from None
+    if view.nbytes == 0:
+        raise ImageDecodeError("image bytes are empty")
+    errors: list[str] = []
+    if backend == "auto":
+        if mode in _SIMPLEJPEG_COLORSPACE and is_jpeg(view):
+            try:
+                return decode_jpeg(view, mode)
+            except ValueError as e:  # CMYK, truncated, corrupt: PIL may still read it
+                errors.append(f"simplejpeg: {e}")
+        elif mode in _SIMPLEJPEG_COLORSPACE:
+            image = _decode_opencv(view, mode)
+            if image is not None:
+                return image
+            errors.append("opencv: not a format it reads, or corrupt")
+    try:
+        return _decode_pil(view, mode)
+    except Exception as e:  # PIL raises many types (OSError, SyntaxError, ValueError, ...)
+        reason = str(e)
+        if "cannot identify image file" in reason:  # PIL names the BytesIO object, not useful
+            reason = "cannot identify the image format"
+        errors.append(f"PIL: {type(e).__name__}: {reason}")
+    head = bytes(view[:8]).hex(" ")
+    raise ImageDecodeError(
+        f"{view.nbytes} bytes (starting {head}) are not a decodable image: " + "; ".join(errors)
+    )
+
+
+def decode_jpeg(
+    data: Any,
+    mode: str = "RGB",
+    *,
+    min_height: int = 0,
+    min_width: int = 0,
+    fastdct: bool = False,
+    fastupsample: bool = False,
+) -> np.ndarray:
+    """JPEG through simplejpeg, optionally reduced in size by libjpeg's DCT scaling to the
+    smallest M/8 scale with height >= `min_height` and width >= `min_width`. Raises
+    ValueError (from simplejpeg) on bad data."""
+    import simplejpeg
+
+    image = simplejpeg.decode_jpeg(
+        data,
+        colorspace=_SIMPLEJPEG_COLORSPACE[mode],
+        fastdct=fastdct,
+        fastupsample=fastupsample,
+        min_height=min_height,
+        min_width=min_width,
+    )
+    return image
+
+
+def _decode_opencv(view: memoryview, mode: str) -> np.ndarray | None:
+    cv2 = opencv()
+    buf = np.frombuffer(view, dtype=np.uint8)
+    if mode == "L":
+        image = cv2.imdecode(buf, cv2.IMREAD_GRAYSCALE | cv2.IMREAD_IGNORE_ORIENTATION)
+        return None if image is None else image[:, :, None]
+    image = cv2.imdecode(buf, cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
+    if image is None:
+        return None
+    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+
+
+def _decode_pil(view: memoryview, mode: str) -> np.ndarray:
+    from PIL import Image
+
+    with Image.open(io.BytesIO(view)) as img:
+        img.load()
+        if img.mode != mode:
+            img = img.convert(mode)
+        image = np.array(img)
+    if image.dtype != np.uint8:
+        raise ValueError(f"mode {mode!r} gives {image.dtype} pixels, not uint8")
+    if image.ndim == 2:
+        image = image[:, :, None]
+    return image
+
+
+class DecodeImage(Transform):
+    """Decode the encoded image in `sample[field]` into an HWC uint8 array at `sample[out]`.
+
+    `mode` is a PIL mode ("RGB", "L", "RGBA", ...); `backend="auto"` uses simplejpeg for JPEG
+    and OpenCV for other formats (PIL as fallback), `backend="pil"` uses PIL only.
+    """
+
+    def __init__(
+        self, field: str = "image", out: str = "image", mode: str = "RGB", backend: str = "auto"
+    ) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"DecodeImage: unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
+        self.field, self.out, self.mode, self.backend = field, out, mode, backend
+
+    def __call__(self, sample: Sample) -> Sample:
+        data = get_field(sample, self.field, "DecodeImage")
+        return with_field(sample, self.out, decode_field(data, sample, self.field, self.mode, self.backend))
+
+    def params(self) -> dict[str, Any]:
+        return {"field": self.field, "out": self.out, "mode": self.mode, "backend": self.backend}
+
+
+def decode_field(data: Any, sample: Sample, field: str, mode: str, backend: str) -> np.ndarray:
+    """`decode_image` whose errors name the field and the sample."""
+    try:
+        return decode_image(data, mode, backend)
+    except ImageDecodeError as e:
+        raise ImageDecodeError(f"field {field!r} of {describe_sample(sample)}: {e}") from None
