@@ -1,8 +1,38 @@
-"""shardloader: sharded, cached, prefetched and exactly resumable data loading for PyTorch."""
+"""shardloader: sharded, cached, prefetched and exactly resumable data loading for PyTorch.
+
+The public names are imported on first use (PEP 562), so `import shardloader` and the
+`shardloader` command line stay fast: only `Loader` pulls in torch, and only when used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from shardloader._version import __version__
-from shardloader.dataset import Dataset
-from shardloader.format.writer import write_shards
-from shardloader.loader import Loader
+
+if TYPE_CHECKING:
+    from shardloader.dataset import Dataset
+    from shardloader.format.writer import write_shards
+    from shardloader.loader import Loader
+
+_EXPORTS = {
+    "Dataset": "shardloader.dataset",
+    "Loader": "shardloader.loader",
+    "write_shards": "shardloader.format.writer",
+}
 
 __all__ = ["Dataset", "Loader", "__version__", "write_shards"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardloader' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

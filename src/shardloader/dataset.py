@@ -105,7 +105,7 @@ class Dataset:
                 self._readers.move_to_end(shard)
                 return reader
             info = self.index.shards[shard]
-            reader = open_shard(info, self.source.local_path(info))
+            reader = open_shard(info, self.source.local_path(info), self.index.schema)
             self._readers[shard] = reader
             while len(self._readers) > self.max_open_shards:
                 old_shard, old_reader = self._readers.popitem(last=False)

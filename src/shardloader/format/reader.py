@@ -9,7 +9,7 @@ Values come back as plain Python objects per field: `bytes` for binary fields, `
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from shardloader.format.index import ShardInfo
@@ -27,18 +27,23 @@ class ShardReader(Protocol):
     def close(self) -> None: ...
 
 
-def open_shard(info: ShardInfo, local_path: str) -> ShardReader:
-    """Open the local file of shard `info` with the reader for its format."""
+def open_shard(
+    info: ShardInfo, local_path: str, schema: Mapping[str, str] | None = None
+) -> ShardReader:
+    """Open the local file of shard `info` with the reader for its format.
+
+    With `schema` (the index's), the reader checks that the shard's fields and types match it.
+    """
     if info.format == "arrow":
         from shardloader.format.arrow import ArrowShardReader
 
-        return ArrowShardReader(local_path, info)
+        return ArrowShardReader(local_path, info, schema)
     if info.format == "tar":
         from shardloader.format.tar import TarShardReader
 
-        return TarShardReader(local_path, info)
+        return TarShardReader(local_path, info, schema)
     if info.format == "parquet":
         from shardloader.format.parquet import ParquetShardReader
 
-        return ParquetShardReader(local_path, info)
+        return ParquetShardReader(local_path, info, schema)
     raise ValueError(f"{info.path}: unknown shard format {info.format!r}")

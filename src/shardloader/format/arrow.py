@@ -1,0 +1,76 @@
+"""Native shards: Arrow IPC *file* format, memory-mapped, read row by row.
+
+The file is mapped with `pa.memory_map` and its record batches are opened zero-copy, so opening
+a shard reads only its footer and batch metadata. Reading rows slices just those rows out of
+the mapped column buffers (`BatchRows`) and converts only them to Python values. Files are
+written uncompressed (see `shardloader.format.writer`) so that nothing has to be decoded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from shardloader.errors import ShardError, ShardloaderError
+from shardloader.format.index import ShardInfo
+from shardloader.format.schema import BatchRows, check_shard, gather_rows, schema_names
+
+
+class ArrowShardReader:
+    """Row access to one memory-mapped Arrow IPC file shard.
+
+    Checks on open: the file is a readable Arrow IPC file, its row count equals the index
+    entry's `samples`, and (when `schema` is given) its fields and types equal the index schema.
+    """
+
+    def __init__(self, path: str, info: ShardInfo, schema: Mapping[str, str] | None = None) -> None:
+        self.path = path
+        self.info = info
+        try:
+            self._map = pa.memory_map(path, "r")
+        except FileNotFoundError:
+            raise ShardError(f"{path}: shard file is missing (listed as {info.path!r})") from None
+        except OSError as e:
+            raise ShardError(f"{path}: cannot open shard ({e})") from None
+        try:
+            reader = pa.ipc.open_file(self._map)
+            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+            for batch in batches:
+                batch.validate()
+            self._batches = [BatchRows(b) for b in batches]
+        except (pa.ArrowException, OSError, ValueError) as e:
+            self._map.close()
+            raise ShardError(
+                f"{path}: not a readable Arrow IPC file (truncated or corrupt?): {e}"
+            ) from None
+        counts = np.fromiter((b.num_rows for b in batches), dtype=np.int64, count=len(batches))
+        self._offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(counts)])
+        try:
+            check_shard(path, len(self), info.samples, schema_names(reader.schema), schema)
+        except ShardloaderError:
+            self.close()
+            raise
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    def read(self, row: int) -> dict[str, Any]:
+        return self.read_rows([row])[0]
+
+    def read_rows(self, rows: Sequence[int]) -> list[dict[str, Any]]:
+        """Rows in the order given (repeats allowed), grouped by the record batch holding them."""
+        return gather_rows(self._offsets, rows, lambda b, local: self._batches[b].records(local),
+                           where=self.path)
+
+    def close(self) -> None:
+        self._batches = []
+        self._map.close()
+
+    def __enter__(self) -> ArrowShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

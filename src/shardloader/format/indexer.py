@@ -1,0 +1,129 @@
+"""Indexing existing `.tar` (WebDataset) and `.parquet` files in place.
+
+`index_dataset(url)` lists the directory (not recursive), takes its `.tar` and `.parquet`
+files sorted by name as the shards, computes each checksum while streaming the file once,
+counts samples (tar: a header scan; Parquet: the footer), writes an offsets sidecar
+``<name>.tar.idx`` per tar, and writes `index.json` last. Remote tars are streamed into a
+local temporary file (one read) and scanned there. All shards must share one schema.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import tempfile
+from typing import Any
+
+import fsspec
+import pyarrow.parquet as pq
+
+from shardloader.errors import SchemaError, ShardError, ShardloaderError
+from shardloader.format.checksum import checksum_file, checksum_stream, format_checksum, new_hasher
+from shardloader.format.index import INDEX_NAME, Index, ShardInfo
+from shardloader.format.schema import check_schema, schema_names
+from shardloader.format.tar import OFFSETS_KEY, TarOffsets, offsets_entry, scan_tar, sidecar_path
+from shardloader.format.target import OutputDir, discard
+from shardloader.source import is_local
+
+INDEXABLE = {".tar": "tar", ".parquet": "parquet"}
+_CHUNK = 4 << 20
+
+
+def list_shard_files(url: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Names (relative to `url`) of the `.tar`/`.parquet` files directly in `url`, sorted."""
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    try:
+        entries = fs.ls(root, detail=True)
+    except FileNotFoundError:
+        raise ShardloaderError(f"{url}: directory not found") from None
+    names = [
+        posixpath.basename(e["name"].rstrip("/"))
+        for e in entries
+        if e.get("type") == "file" and e["name"].endswith(tuple(INDEXABLE))
+    ]
+    return sorted(names)
+
+
+def _tar_entry(fs: Any, path: str, local: bool) -> tuple[str, int, TarOffsets]:
+    """Checksum, size and member table of one tar, reading a remote one once."""
+    if local:
+        checksum, size = checksum_file(path)
+        return checksum, size, scan_tar(path)
+    hasher = new_hasher()
+    fd, temp = tempfile.mkstemp(prefix="shardloader-index-", suffix=".tar")
+    try:
+        size = 0
+        with fs.open(path, "rb") as src, os.fdopen(fd, "wb") as dst:
+            while chunk := src.read(_CHUNK):
+                hasher.update(chunk)
+                dst.write(chunk)
+                size += len(chunk)
+        return format_checksum("xxh3_128", hasher.hexdigest()), size, scan_tar(temp, name=path)
+    finally:
+        discard(temp)
+
+
+def _parquet_entry(fs: Any, path: str) -> tuple[str, int, int, int, dict[str, str]]:
+    """Checksum, size, rows, row groups and schema of one Parquet file."""
+    with fs.open(path, "rb") as f:
+        checksum, size = checksum_stream(f)
+    try:
+        with fs.open(path, "rb") as f:
+            meta = pq.ParquetFile(f)
+            rows, groups = meta.metadata.num_rows, meta.metadata.num_row_groups
+            schema = schema_names(meta.schema_arrow)
+    except Exception as e:  # pyarrow raises several types for a damaged footer
+        raise ShardError(f"{path}: not a readable Parquet file (truncated or corrupt?): {e}") from None
+    return checksum, size, rows, groups, schema
+
+
+def index_dataset(
+    url: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    out: str | os.PathLike[str] | None = None,
+) -> Index:
+    """Build `index.json` (and tar sidecars) for the shard files in directory `url`.
+
+    `out` is where index.json and the sidecars are written, default `url` itself. Raises
+    SchemaError naming both shards when two shards' schemas differ, ShardError for an
+    unreadable file, ShardloaderError when there is nothing to index.
+    """
+    url = os.fspath(url)
+    names = list_shard_files(url, storage_options)
+    if not names:
+        raise ShardloaderError(f"{url}: no .tar or .parquet files to index")
+    fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+    local = is_local(url)
+    shards: list[ShardInfo] = []
+    schema: dict[str, str] | None = None
+    schema_from = ""
+    with OutputDir(os.fspath(out) if out is not None else url, storage_options) as target:
+        for name in names:
+            path = posixpath.join(root, name) if not local else os.path.join(root, name)
+            fmt = INDEXABLE[os.path.splitext(name)[1]]
+            extra: dict[str, Any] = {}
+            if fmt == "tar":
+                checksum, size, table = _tar_entry(fs, path, local)
+                samples = len(table)
+                shard_schema = {f: "binary" for f in table.fields} if samples else None
+                sidecar = table.encode()
+                target.write_bytes(sidecar_path(name), sidecar)
+                extra[OFFSETS_KEY] = offsets_entry(sidecar_path(name), sidecar)
+            else:
+                checksum, size, samples, groups, shard_schema = _parquet_entry(fs, path)
+                extra["row_groups"] = groups
+            if shard_schema is not None:
+                if schema is None:
+                    schema, schema_from = shard_schema, name
+                else:
+                    check_schema(
+                        shard_schema, schema,
+                        where=f"shards {schema_from!r} and {name!r} have different schemas",
+                    )
+            shards.append(ShardInfo(name, fmt, samples, size, checksum, extra))
+        if schema is None:
+            raise SchemaError(f"{url}: every shard is empty; no schema to index")
+        index = Index(schema=schema, shards=tuple(shards))
+        target.write_bytes(INDEX_NAME, index.dumps().encode())
+    return index

@@ -1,0 +1,106 @@
+"""Parquet shards, read in place by row group.
+
+Parquet cannot address a single row: the unit of decoding is a row group. The reader decodes
+only the row groups that hold the requested rows and keeps recently decoded ones in an LRU
+bounded by `cache_bytes` (default 32 MiB per open shard, but always the last two row groups),
+so that the batches the Loader draws from a window of shards decode each row group about once
+rather than once per batch. Files with small row groups (a few MB) suit random access best;
+see benchmarks/read_rows.py for the cost of each.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from shardloader.errors import ShardError, ShardloaderError
+from shardloader.format.index import ShardInfo
+from shardloader.format.schema import BatchRows, check_shard, gather_rows, schema_names
+
+
+class ParquetShardReader:
+    """Row access to one Parquet file shard, decoding whole row groups on demand."""
+
+    def __init__(
+        self,
+        path: str,
+        info: ShardInfo,
+        schema: Mapping[str, str] | None = None,
+        *,
+        cache_bytes: int = 32 << 20,
+    ) -> None:
+        self.path = path
+        self.info = info
+        self.cache_bytes = cache_bytes
+        try:
+            self._source = pa.memory_map(path, "r")
+        except FileNotFoundError:
+            raise ShardError(f"{path}: shard file is missing (listed as {info.path!r})") from None
+        except OSError as e:
+            raise ShardError(f"{path}: cannot open shard ({e})") from None
+        try:
+            self._file = pq.ParquetFile(self._source)
+            meta = self._file.metadata
+            counts = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+            file_schema = self._file.schema_arrow
+        except (pa.ArrowException, OSError) as e:
+            self._source.close()
+            raise ShardError(f"{path}: not a readable Parquet file (truncated or corrupt?): {e}") from None
+        self._offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(counts, dtype=np.int64)])
+        self._cache: OrderedDict[int, BatchRows] = OrderedDict()
+        self._cached_bytes = 0
+        try:
+            check_shard(path, len(self), info.samples, schema_names(file_schema), schema)
+        except ShardloaderError:
+            self.close()
+            raise
+
+    @property
+    def num_row_groups(self) -> int:
+        return len(self._offsets) - 1
+
+    def __len__(self) -> int:
+        return int(self._offsets[-1])
+
+    def _row_group(self, group: int) -> BatchRows:
+        cached = self._cache.get(group)
+        if cached is not None:
+            self._cache.move_to_end(group)
+            return cached
+        try:
+            table = self._file.read_row_group(group)
+        except (pa.ArrowException, OSError) as e:
+            raise ShardError(f"{self.path}: row group {group} cannot be decoded (corrupt?): {e}") from None
+        batches = table.combine_chunks().to_batches()
+        batch = batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)
+        rows = BatchRows(batch)
+        self._cache[group] = rows
+        self._cached_bytes += batch.nbytes
+        while len(self._cache) > 2 and self._cached_bytes > self.cache_bytes:
+            _, old = self._cache.popitem(last=False)
+            self._cached_bytes -= old.batch.nbytes
+        return rows
+
+    def read(self, row: int) -> dict[str, Any]:
+        return self.read_rows([row])[0]
+
+    def read_rows(self, rows: Sequence[int]) -> list[dict[str, Any]]:
+        """Rows in the order given (repeats allowed), decoding each row group touched once."""
+        return gather_rows(self._offsets, rows, lambda g, local: self._row_group(g).records(local),
+                           where=self.path)
+
+    def close(self) -> None:
+        self._cache.clear()
+        self._cached_bytes = 0
+        self._source.close()
+
+    def __enter__(self) -> ParquetShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,302 @@
+"""Field types: the names used in `index.json`, their Arrow types, and Python values.
+
+Type names in an index schema (field -> name):
+
+- ``binary`` (Python ``bytes``), ``string`` (``str``), ``bool``
+- ``int8`` .. ``int64``, ``uint8`` .. ``uint64`` (``int``); ``float16``, ``float32``,
+  ``float64`` (``float``)
+- ``array<DTYPE>[D0,D1,...]``: a numpy array of fixed shape and numeric dtype, e.g.
+  ``array<float32>[3,224,224]`` (stored as Arrow's fixed-shape tensor extension type)
+- other Arrow types found in Parquet files: ``list<T>``, ``fixed_size_list<T>[N]`` (T a type
+  name), anything else in Arrow's own spelling (``str(type)``, e.g. ``timestamp[ms]``). Their
+  values come back as pyarrow's `to_pylist` gives them, except fixed-size lists of numbers,
+  which come back as 1-D numpy arrays.
+
+The writer infers a schema from the first sample: ``bytes``/``bytearray``/``memoryview`` ->
+binary, ``int`` -> int64, ``float`` -> float64, ``str`` -> string, ``bool`` -> bool, numpy
+scalars -> their dtype, numpy arrays (numeric, at least 1-D) -> ``array<dtype>[shape]``.
+Large Arrow variants (large_binary, large_string) read as binary and string.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from shardloader.errors import SchemaError, ShardError
+
+_SCALARS: dict[str, pa.DataType] = {
+    "binary": pa.binary(),
+    "string": pa.string(),
+    "bool": pa.bool_(),
+    "int8": pa.int8(),
+    "int16": pa.int16(),
+    "int32": pa.int32(),
+    "int64": pa.int64(),
+    "uint8": pa.uint8(),
+    "uint16": pa.uint16(),
+    "uint32": pa.uint32(),
+    "uint64": pa.uint64(),
+    "float16": pa.float16(),
+    "float32": pa.float32(),
+    "float64": pa.float64(),
+}
+_INT_NAMES = frozenset(n for n in _SCALARS if n.startswith(("int", "uint")))
+_FLOAT_NAMES = frozenset(n for n in _SCALARS if n.startswith("float"))
+_ARRAY_RE = re.compile(r"^array<([a-z0-9]+)>\[([0-9]+(?:,[0-9]+)*)\]$")
+_ARRAY_KINDS = "iuf"  # numpy dtype kinds an array field may have
+
+
+# -- names <-> Arrow types ---------------------------------------------------------------------
+def array_type_name(dtype: np.dtype, shape: tuple[int, ...]) -> str:
+    return f"array<{np.dtype(dtype).name}>[{','.join(str(int(d)) for d in shape)}]"
+
+
+def parse_array_type(name: str) -> tuple[np.dtype, tuple[int, ...]] | None:
+    """(dtype, shape) of an ``array<...>[...]`` type name, or None for any other name."""
+    match = _ARRAY_RE.match(name)
+    if not match:
+        return None
+    dtype = np.dtype(match.group(1))
+    return dtype, tuple(int(d) for d in match.group(2).split(","))
+
+
+def arrow_type(name: str) -> pa.DataType:
+    """The Arrow type the writer stores a field of type `name` as."""
+    if name in _SCALARS:
+        return _SCALARS[name]
+    parsed = parse_array_type(name)
+    if parsed is not None and parsed[0].kind in _ARRAY_KINDS:
+        return pa.fixed_shape_tensor(pa.from_numpy_dtype(parsed[0]), list(parsed[1]))
+    raise SchemaError(
+        f"type {name!r} cannot be written (writable: {', '.join(_SCALARS)}, array<DTYPE>[SHAPE])"
+    )
+
+
+def type_name(dtype: pa.DataType) -> str:
+    """The index type name of an Arrow type (inverse of `arrow_type` for writable types)."""
+    if isinstance(dtype, pa.FixedShapeTensorType):
+        value = np.dtype(dtype.value_type.to_pandas_dtype())
+        return array_type_name(value, tuple(dtype.shape))
+    if pa.types.is_large_binary(dtype) or pa.types.is_binary(dtype):
+        return "binary"
+    if pa.types.is_large_string(dtype) or pa.types.is_string(dtype):
+        return "string"
+    for name, scalar in _SCALARS.items():
+        if dtype == scalar:
+            return name
+    # List types are named without their item field's name, which Parquet round trips rename.
+    if pa.types.is_fixed_size_list(dtype):
+        return f"fixed_size_list<{type_name(dtype.value_type)}>[{dtype.list_size}]"
+    if pa.types.is_list(dtype) or pa.types.is_large_list(dtype):
+        return f"list<{type_name(dtype.value_type)}>"
+    return str(dtype)
+
+
+def schema_names(schema: pa.Schema) -> dict[str, str]:
+    """Field -> type name for every field of an Arrow schema, in schema order."""
+    return {f.name: type_name(f.type) for f in schema}
+
+
+def check_schema(actual: Mapping[str, str], expected: Mapping[str, str], *, where: str) -> None:
+    """Raise SchemaError, prefixed by `where`, naming each differing field unless equal."""
+    if dict(actual) == dict(expected):
+        return
+    problems = []
+    for name in expected:
+        if name not in actual:
+            problems.append(f"field {name!r} ({expected[name]}) is missing")
+        elif actual[name] != expected[name]:
+            problems.append(f"field {name!r} is {actual[name]}, expected {expected[name]}")
+    problems += [f"unexpected field {n!r} ({actual[n]})" for n in actual if n not in expected]
+    raise SchemaError(f"{where}: {'; '.join(problems)}")
+
+
+def check_shard(path: str, rows: int, expected_rows: int, names: Mapping[str, str],
+                schema: Mapping[str, str] | None) -> None:
+    """Raise ShardError / SchemaError naming `path` unless a shard's row count and schema
+    (`names`) match its index entry and the index schema (when given)."""
+    if rows != expected_rows:
+        raise ShardError(f"{path}: shard holds {rows} rows but the index records {expected_rows}")
+    if schema is not None:
+        check_schema(names, schema, where=f"{path}: schema differs from the index")
+
+
+# -- Python values -----------------------------------------------------------------------------
+def infer_type(value: Any) -> str:
+    """The type name of a Python value; raises SchemaError (without context) if unsupported."""
+    if isinstance(value, (bool, np.bool_)):
+        return "bool"
+    if isinstance(value, int):
+        return "int64"
+    if isinstance(value, float):
+        return "float64"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return "binary"
+    if isinstance(value, np.generic) and value.dtype.kind in _ARRAY_KINDS:
+        return value.dtype.name
+    if isinstance(value, np.ndarray):
+        if value.ndim == 0:
+            raise SchemaError("0-d numpy arrays are not stored; pass a scalar (`.item()`) instead")
+        if value.dtype.kind not in _ARRAY_KINDS:
+            raise SchemaError(
+                f"numpy arrays of dtype {value.dtype} are not stored (numeric dtypes only; "
+                "store bool arrays as uint8)"
+            )
+        return array_type_name(value.dtype, value.shape)
+    if value is None:
+        raise SchemaError("None values are not stored (every field needs a value)")
+    raise SchemaError(
+        f"values of type {type(value).__name__} are not stored (use bytes, str, int, float, bool "
+        "or a numeric numpy array)"
+    )
+
+
+def value_fits(value: Any, name: str) -> bool:
+    """True when `value` can be stored in a field of type `name` without losing information."""
+    try:
+        inferred = infer_type(value)
+    except SchemaError:
+        return False
+    if inferred == name:
+        return True
+    if inferred == "bool":
+        return False
+    if name in _INT_NAMES and inferred in _INT_NAMES:
+        info = np.iinfo(np.dtype(name))
+        return info.min <= int(value) <= info.max
+    if name in _FLOAT_NAMES:
+        return inferred in _INT_NAMES or inferred in _FLOAT_NAMES
+    return False
+
+
+def value_nbytes(value: Any) -> int:
+    """Approximate stored size of a value, for shard size accounting."""
+    if isinstance(value, (bytes, bytearray, str)):
+        return len(value)
+    if isinstance(value, memoryview):
+        return value.nbytes
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    return 8
+
+
+def build_array(values: list[Any], name: str) -> pa.Array:
+    """An Arrow array of type `name` from Python values already checked with `value_fits`."""
+    dtype = arrow_type(name)
+    if isinstance(dtype, pa.FixedShapeTensorType):
+        np_dtype, shape = parse_array_type(name)  # type: ignore[misc]
+        stacked = np.ascontiguousarray(np.stack(values).astype(np_dtype, copy=False))
+        flat = pa.array(stacked.reshape(-1))
+        size = int(np.prod(shape))
+        storage = pa.FixedSizeListArray.from_arrays(flat, size)
+        return pa.ExtensionArray.from_storage(dtype, storage)
+    if name == "binary":
+        values = [bytes(v) if isinstance(v, memoryview) else v for v in values]
+    return pa.array(values, type=dtype)
+
+
+def column_values(array: pa.Array | pa.ChunkedArray) -> list[Any]:
+    """Python values of a whole Arrow column, one per row (see `column_reader` for the types)."""
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    return column_reader(array)(np.arange(len(array), dtype=np.int64))
+
+
+def column_reader(array: pa.Array) -> Callable[[np.ndarray], list[Any]]:
+    """A function from row positions (int64 array, any order, repeats allowed) to those rows'
+    Python values, touching only those rows.
+
+    Built once per column: binary and string rows are sliced straight out of the column's data
+    buffer (for a memory-mapped file, one copy from the page cache into `bytes`), fixed-width
+    numbers and tensors are indexed through zero-copy numpy views. Tensor and fixed-size-list
+    rows come back as numpy arrays (views of one writable array copied for the call); anything
+    else (nulls, nested types) goes through `take` and `to_pylist`.
+    """
+    dtype = array.type
+    if array.null_count == 0:
+        if isinstance(dtype, pa.FixedShapeTensorType):
+            tensors = array.to_numpy_ndarray()
+            return lambda rows: list(tensors[rows])
+        large = pa.types.is_large_binary(dtype) or pa.types.is_large_string(dtype)
+        if large or pa.types.is_binary(dtype) or pa.types.is_string(dtype):
+            return _varlen_reader(array, large, text=pa.types.is_string(dtype)
+                                  or pa.types.is_large_string(dtype))
+        if pa.types.is_integer(dtype) or pa.types.is_floating(dtype):
+            values = array.to_numpy(zero_copy_only=True)
+            return lambda rows: values[rows].tolist()
+        if pa.types.is_fixed_size_list(dtype) and (
+            pa.types.is_integer(dtype.value_type) or pa.types.is_floating(dtype.value_type)
+        ) and array.values.null_count == 0:
+            matrix = array.flatten().to_numpy(zero_copy_only=True).reshape(len(array), dtype.list_size)
+            return lambda rows: list(matrix[rows])
+    return lambda rows: array.take(pa.array(rows, type=pa.int64())).to_pylist()
+
+
+def _varlen_reader(array: pa.Array, large: bool, text: bool) -> Callable[[np.ndarray], list[Any]]:
+    _, offsets_buf, data_buf = array.buffers()
+    offsets = np.frombuffer(offsets_buf, dtype=np.int64 if large else np.int32)
+    offsets = offsets[array.offset:array.offset + len(array) + 1]
+    data = memoryview(data_buf) if data_buf is not None else memoryview(b"")
+
+    def read(rows: np.ndarray) -> list[Any]:
+        starts, ends = offsets[rows].tolist(), offsets[rows + 1].tolist()
+        if text:
+            return [str(data[a:b], "utf-8") for a, b in zip(starts, ends)]
+        return [data[a:b].tobytes() for a, b in zip(starts, ends)]
+
+    return read
+
+
+class BatchRows:
+    """Row access to one record batch through per-column readers built once."""
+
+    def __init__(self, batch: pa.RecordBatch) -> None:
+        self.batch = batch
+        self.names = batch.schema.names
+        self.num_rows = batch.num_rows
+        self._readers = [column_reader(column) for column in batch.columns]
+
+    def records(self, rows: np.ndarray) -> list[dict[str, Any]]:
+        """Rows `rows` (positions in the batch, any order, repeats allowed) as dicts."""
+        columns = [read(rows) for read in self._readers]
+        if not columns:
+            return [{} for _ in range(len(rows))]
+        return [dict(zip(self.names, values)) for values in zip(*columns)]
+
+
+def batch_records(batch: pa.RecordBatch, rows: np.ndarray) -> list[dict[str, Any]]:
+    """Rows `rows` of `batch` as dicts field -> value."""
+    return BatchRows(batch).records(np.asarray(rows, dtype=np.int64))
+
+
+def gather_rows(
+    offsets: np.ndarray,
+    rows: Sequence[int] | np.ndarray,
+    read_group: Callable[[int, np.ndarray], list[dict[str, Any]]],
+    *,
+    where: str,
+) -> list[dict[str, Any]]:
+    """Records of `rows` (any order, repeats allowed) of a file split into groups (record
+    batches, row groups): group g holds rows offsets[g]..offsets[g+1]-1. Calls
+    `read_group(g, rows within g)` once per group touched and returns records in `rows` order.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    total = int(offsets[-1])
+    if rows.size and (rows.min() < 0 or rows.max() >= total):
+        raise IndexError(f"{where}: rows out of range for a shard of {total} rows")
+    if len(offsets) == 2:
+        return read_group(0, rows)
+    groups = np.searchsorted(offsets, rows, side="right") - 1
+    out: list[Any] = [None] * len(rows)
+    for group in np.unique(groups).tolist():
+        positions = np.flatnonzero(groups == group)
+        for pos, record in zip(positions.tolist(), read_group(group, rows[positions] - offsets[group])):
+            out[pos] = record
+    return out

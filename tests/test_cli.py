@@ -1,0 +1,130 @@
+"""The `shardloader` command line: convert, inspect, verify, index."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from shardloader import Dataset
+from shardloader.cli.main import main, subcommand_modules
+from tests.fixtures.data import copy_dataset
+
+SCRIPT = str(Path(sys.executable).parent / "shardloader")
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([SCRIPT, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_console_script_convert_inspect_verify(image_folder, tmp_path):
+    out = tmp_path / "images"
+    done = _run("convert", image_folder.path, str(out), "--shard-samples", "5", "--json")
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    assert (summary["kind"], summary["samples"], summary["shards"]) == ("image-folder", 12, 3)
+
+    done = _run("inspect", str(out), "--json")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["samples"] == 12 and info["shards"] == 3 and info["formats"] == {"arrow": 3}
+    assert info["schema"] == {"class": "string", "filename": "string", "image": "binary", "label": "int64"}
+    assert info["fingerprint"] == Dataset(out).index.fingerprint
+
+    ds = Dataset(out)
+    records = ds.get_many(range(12))
+    assert [r["filename"] for r in records] == image_folder.files
+    assert [r["label"] for r in records] == [i // 4 for i in range(12)]
+    assert [r["class"] for r in records] == [image_folder.classes[i // 4] for i in range(12)]
+    for record in records:
+        assert record["image"] == (Path(image_folder.path) / record["filename"]).read_bytes()
+
+    with open(out / "shard-00001.arrow", "r+b") as f:
+        f.truncate(100)
+    done = _run("verify", str(out))
+    assert done.returncode == 1
+    assert f"BAD  {out}/shard-00001.arrow: 100 bytes but the index records" in done.stdout
+    assert "shard-00000" not in done.stdout and "shard-00002" not in done.stdout
+
+
+def test_console_script_error_exit(tmp_path):
+    done = _run("inspect", str(tmp_path))
+    assert done.returncode == 1
+    assert f"shardloader inspect: error: {tmp_path}/index.json: no index.json found" in done.stderr
+
+
+def test_subcommands_discovered():
+    names = [m.__name__.rsplit(".", 1)[1] for m in subcommand_modules()]
+    assert {"convert", "index", "inspect", "verify"} <= set(names)
+
+
+def test_inspect_text(arrow_dataset, capsys):
+    assert main(["inspect", arrow_dataset.path, "--shards"]) == 0
+    out = capsys.readouterr().out
+    assert "samples      200" in out and "shards       4 (4 arrow)" in out
+    assert "vec    array<float32>[3]" in out
+    assert "shard-00003.arrow  arrow  8 samples" in out
+
+
+def test_verify_ok(tar_dataset, capsys):
+    assert main(["verify", tar_dataset.path]) == 0
+    assert "ok: 3 shards, 150 samples" in capsys.readouterr().out
+
+
+def test_index_then_convert_parquet_and_tar(parquet_dataset, tar_dataset, tmp_path, capsys):
+    root = copy_dataset(tar_dataset, tmp_path / "t")
+    for name in os.listdir(root):
+        if not name.endswith(".tar"):
+            os.remove(os.path.join(root, name))
+    assert main(["index", root]) == 0
+    assert "3 shards (tar), 150 samples" in capsys.readouterr().out
+
+    assert main(["convert", root, str(tmp_path / "from-tar"), "--no-progress",
+                 "--shard-bytes", "20KB"]) == 0
+    ds = Dataset(tmp_path / "from-tar")
+    assert ds.index.num_shards > 1
+    assert [{k: v for k, v in r.items() if k != "__index__"} for r in ds.get_many(range(150))] == \
+        tar_dataset.samples
+
+    src = os.path.join(parquet_dataset.path, "part-1.parquet")
+    assert main(["convert", src, str(tmp_path / "from-pq"), "--no-progress", "--format", "tar"]) == 0
+    ds = Dataset(tmp_path / "from-pq")
+    expected = pq.read_table(src).to_pylist()
+    got = ds.get_many(range(50))
+    assert [r["data"] for r in got] == [e["data"] for e in expected]
+    assert [r["label"] for r in got] == [str(e["label"]).encode() for e in expected]
+
+
+def test_convert_parquet_keeps_types(tmp_path, capsys):
+    import pyarrow as pa
+
+    table = pa.table({"x": pa.array([1, 2, 3], pa.int16()), "y": pa.array([0.5, 1.5, 2.5], pa.float32())})
+    pq.write_table(table, tmp_path / "t.parquet")
+    assert main(["convert", str(tmp_path / "t.parquet"), str(tmp_path / "out"), "--no-progress"]) == 0
+    ds = Dataset(tmp_path / "out")
+    assert dict(ds.index.schema) == {"x": "int16", "y": "float32"}
+    assert [(r["x"], r["y"]) for r in ds.get_many([2, 0])] == [(3, 2.5), (1, 0.5)]
+
+
+def test_convert_refuses_existing_and_reports_skipped(image_folder, tmp_path, capsys):
+    src = tmp_path / "src"
+    import shutil
+
+    shutil.copytree(image_folder.path, src)
+    (src / "cat" / "notes.txt").write_text("not an image")
+    assert main(["convert", str(src), str(tmp_path / "o"), "--no-progress"]) == 0
+    assert "skipped  1 non-image files: cat/notes.txt" in capsys.readouterr().out
+    assert main(["convert", str(src), str(tmp_path / "o"), "--no-progress"]) == 1
+    assert "already holds a dataset" in capsys.readouterr().err
+
+
+def test_bad_arguments_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["convert", "a", "b", "--shard-bytes", "lots"])
+    assert exc.value.code == 2
+    assert "'lots' is not a size" in capsys.readouterr().err

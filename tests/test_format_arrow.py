@@ -1,0 +1,126 @@
+"""Arrow IPC shards: round trips, row access, and damaged files."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from shardloader import Dataset, write_shards
+from shardloader.errors import SchemaError, ShardError
+from shardloader.format import writer
+from shardloader.format.arrow import ArrowShardReader
+from tests.fixtures.data import copy_dataset, make_samples
+
+
+def _assert_same(record: dict, sample: dict) -> None:
+    assert record.keys() - {"__index__"} == sample.keys()
+    for field, value in sample.items():
+        if isinstance(value, np.ndarray):
+            assert record[field].dtype == value.dtype
+            assert record[field].tobytes() == value.tobytes()
+        else:
+            assert type(record[field]) is type(value)
+            assert record[field] == value
+
+
+def test_round_trip_every_sample(arrow_dataset):
+    ds = Dataset(arrow_dataset)
+    assert len(ds) == len(arrow_dataset.samples) == 200
+    assert [s.samples for s in ds.index.shards] == [64, 64, 64, 8]
+    for i, sample in enumerate(arrow_dataset.samples):
+        _assert_same(ds[i], sample)
+
+
+def test_reader_values_and_types(arrow_dataset):
+    info = arrow_dataset.index.shards[1]
+    with ArrowShardReader(os.path.join(arrow_dataset.path, info.path), info,
+                          arrow_dataset.index.schema) as reader:
+        record = reader.read(5)
+        assert isinstance(record["data"], bytes)
+        assert isinstance(record["label"], int)
+        assert isinstance(record["name"], str)
+        assert isinstance(record["vec"], np.ndarray) and record["vec"].shape == (3,)
+        assert record["vec"].flags.writeable
+        _assert_same(record, arrow_dataset.samples[64 + 5])
+
+
+def test_read_rows_across_record_batches_keeps_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer, "_BATCH_ROWS", 7)  # many record batches per shard
+    samples = make_samples(60, seed=5, array=True)
+    index = write_shards(samples, tmp_path / "ds")
+    info = index.shards[0]
+    reader = ArrowShardReader(str(tmp_path / "ds" / info.path), info, index.schema)
+    assert len(reader._batches) == 9
+    rows = [59, 0, 13, 13, 7, 6, 58, 21, 0]
+    records = reader.read_rows(rows)
+    assert [r["name"] for r in records] == [samples[r]["name"] for r in rows]
+    for row, record in zip(rows, records):
+        _assert_same(record, samples[row])
+    assert reader.read_rows([]) == []
+    with pytest.raises(IndexError, match="out of range"):
+        reader.read_rows([60])
+    reader.close()
+
+
+def test_truncated_shard_is_named(arrow_dataset, tmp_path):
+    root = copy_dataset(arrow_dataset, tmp_path)
+    info = arrow_dataset.index.shards[2]
+    path = os.path.join(root, info.path)
+    with open(path, "r+b") as f:
+        f.truncate(info.bytes // 2)
+    with pytest.raises(ShardError, match=rf"{info.path}.*truncated"):
+        Dataset(root)[64 * 2]
+    with pytest.raises(ShardError, match=rf"{path}: not a readable Arrow IPC file"):
+        ArrowShardReader(path, info)
+
+
+def test_corrupt_shard_is_named(arrow_dataset, tmp_path):
+    root = copy_dataset(arrow_dataset, tmp_path)
+    info = arrow_dataset.index.shards[0]
+    path = os.path.join(root, info.path)
+    with open(path, "r+b") as f:
+        f.seek(info.bytes - 30)
+        f.write(b"\xff" * 20)  # damage the footer
+    with pytest.raises(ShardError, match=rf"{path}: checksum .* does not match"):
+        Dataset(root)[0]
+    with pytest.raises(ShardError, match=rf"{path}: not a readable Arrow IPC file"):
+        ArrowShardReader(path, info)
+
+
+def test_not_an_arrow_file(tmp_path, arrow_dataset):
+    path = tmp_path / "garbage.arrow"
+    path.write_bytes(os.urandom(4096))
+    with pytest.raises(ShardError, match="garbage.arrow: not a readable Arrow IPC file"):
+        ArrowShardReader(str(path), arrow_dataset.index.shards[0])
+
+
+def test_missing_file(tmp_path, arrow_dataset):
+    with pytest.raises(ShardError, match="nope.arrow: shard file is missing"):
+        ArrowShardReader(str(tmp_path / "nope.arrow"), arrow_dataset.index.shards[0])
+
+
+def test_sample_count_must_match_index(arrow_dataset):
+    info = arrow_dataset.index.shards[0]
+    wrong = dataclasses.replace(info, samples=info.samples + 1)
+    with pytest.raises(ShardError, match=r"holds 64 rows but the index records 65"):
+        ArrowShardReader(os.path.join(arrow_dataset.path, info.path), wrong)
+
+
+def test_schema_must_match_index(arrow_dataset):
+    info = arrow_dataset.index.shards[0]
+    schema = dict(arrow_dataset.index.schema, label="float64")
+    with pytest.raises(SchemaError, match=rf"{info.path}: schema differs.*'label' is int64, expected float64"):
+        ArrowShardReader(os.path.join(arrow_dataset.path, info.path), info, schema)
+
+
+def test_file_is_uncompressed_ipc_file_format(arrow_dataset):
+    info = arrow_dataset.index.shards[0]
+    with pa.memory_map(os.path.join(arrow_dataset.path, info.path)) as source:
+        reader = pa.ipc.open_file(source)  # the IPC *file* format, readable by any Arrow tool
+        table = reader.read_all()
+    assert table.num_rows == 64
+    assert table.column("data").to_pylist()[:3] == [s["data"] for s in arrow_dataset.samples[:3]]
