@@ -221,7 +221,7 @@ class Loader:
     def stats(self) -> dict[str, Any]:
         """Telemetry summary of the batches delivered so far (see shardloader.telemetry)."""
         summary = self._stats.summary() if self._stats is not None else {}
-        summary.update(self.tail_report())
+        summary.update({f"{k}_per_epoch": v for k, v in self.tail_report().items()})
         return summary
 
     def close(self) -> None:

@@ -1,0 +1,100 @@
+"""Which checkpoints exist under a root, which are complete, in what order; retention; cleanup.
+
+Complete means: the directory holds a manifest that parses and matches its own checksum.
+Order is commit order (the manifest's `sequence`, one more than the largest sequence among
+complete checkpoints at commit time), so "newest" is the checkpoint committed last, also after
+a deliberate rollback to an older step. Content verification (every file's checksum) is done
+by `verify_entry`, which `latest()` and `load()` use.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+from shardloader.checkpoint.manifest import MANIFEST_NAME, Manifest
+from shardloader.checkpoint.storage import Store
+from shardloader.errors import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped or could not be cleaned up; the message names it."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    id: str
+    manifest: Manifest
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+
+def warn(message: str) -> None:
+    log.warning(message)
+    warnings.warn(message, CheckpointWarning, stacklevel=3)
+
+
+def list_complete(store: Store, *, warn_damaged: bool = True) -> list[Entry]:
+    """Complete checkpoints, oldest first (commit order). Damaged manifests are skipped."""
+    entries = []
+    for ckpt_id in store.list_ids():
+        data = store.read_manifest_bytes(ckpt_id)
+        if data is None:
+            continue
+        source = store.url_of(f"{ckpt_id}/{MANIFEST_NAME}")
+        try:
+            manifest = Manifest.from_json(data, source=source)
+        except CheckpointError as exc:
+            if warn_damaged:
+                warn(f"skipping checkpoint {store.url_of(ckpt_id)}: {exc}")
+            continue
+        if manifest.id != ckpt_id:
+            if warn_damaged:
+                warn(f"skipping checkpoint {store.url_of(ckpt_id)}: its manifest names {manifest.id!r}")
+            continue
+        entries.append(Entry(ckpt_id, manifest))
+    entries.sort(key=lambda e: (e.manifest.sequence, e.manifest.step, e.manifest.created_at, e.id))
+    return entries
+
+
+def next_sequence(store: Store) -> int:
+    entries = list_complete(store, warn_damaged=False)
+    return entries[-1].manifest.sequence + 1 if entries else 1
+
+
+def verify_entry(store: Store, entry: Entry, names: list[str] | None = None) -> None:
+    """Raise CheckpointError unless every file (or those in `names`) matches the manifest."""
+    for name in sorted(entry.manifest.files) if names is None else names:
+        store.verify(entry.id, name, entry.manifest.files[name])
+
+
+def apply_retention(store: Store, keep: int | None) -> list[str]:
+    """Delete the oldest complete checkpoints beyond `keep`; never the newest. Returns ids."""
+    if keep is None:
+        return []
+    entries = list_complete(store, warn_damaged=False)
+    doomed = entries[: max(0, len(entries) - max(keep, 1))]
+    for entry in doomed:
+        store.delete(entry.id)
+    return [e.id for e in doomed]
+
+
+def clean_incomplete(store: Store) -> list[str]:
+    """Delete checkpoint directories without a manifest (left by a crash). Returns their ids.
+
+    Only one job may write to a root: another job's checkpoint in progress looks the same.
+    """
+    removed = []
+    for ckpt_id in store.list_ids():
+        if store.read_manifest_bytes(ckpt_id) is None:
+            try:
+                store.delete(ckpt_id)
+                removed.append(ckpt_id)
+            except OSError as exc:
+                warn(f"could not remove incomplete checkpoint {store.url_of(ckpt_id)}: {exc}")
+    return removed

@@ -1,0 +1,298 @@
+"""Where checkpoints live: a local directory (with fsync) or any fsspec URL.
+
+Both stores offer the same few operations the commit protocol needs: put a staged file into a
+checkpoint directory, write the manifest atomically and last, list checkpoint directories, read
+a file back while hashing it, and delete a checkpoint manifest-first (so a checkpoint being
+deleted stops being complete before any of its data goes).
+
+The local store moves staged files with `rename` when the staging directory is on the same
+file system (no second copy) and otherwise copies them; it fsyncs files and directories so a
+manifest never reaches the disk before the data it lists. Object stores (s3://, gs://, ...)
+make an object visible only once it is whole, so the manifest object is the commit point.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from typing import Any
+
+import fsspec
+import torch
+
+from shardloader.checkpoint.manifest import MANIFEST_NAME, FileEntry, parse_id
+from shardloader.errors import CheckpointError
+from shardloader.format.checksum import new_hasher, parse_checksum
+from shardloader.format.paths import join_url
+from shardloader.source import is_local, strip_file_scheme
+
+CHUNK = 8 << 20
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class Store:
+    """Operations on a checkpoint root. Paths passed in are relative to the root."""
+
+    url: str
+
+    def url_of(self, rel: str) -> str:
+        return join_url(self.url, rel) if rel else self.url
+
+    # -- listing -----------------------------------------------------------------------------
+    def list_ids(self) -> list[str]:
+        """Names of the checkpoint directories under the root (complete or not), unordered."""
+        raise NotImplementedError
+
+    def read_manifest_bytes(self, ckpt_id: str) -> bytes | None:
+        """The manifest's bytes, or None when the checkpoint has no manifest (incomplete)."""
+        raise NotImplementedError
+
+    # -- writing -----------------------------------------------------------------------------
+    def make_dir(self, ckpt_id: str, *, exist_ok: bool) -> None:
+        raise NotImplementedError
+
+    def put(self, local_path: str, ckpt_id: str, name: str, *, move: bool) -> None:
+        """Place the staged file `local_path` at `<ckpt_id>/<name>` (moved when `move` allows)."""
+        raise NotImplementedError
+
+    def seal_dir(self, ckpt_id: str) -> None:
+        """Make every file put into `ckpt_id` durable before the manifest is written."""
+
+    def write_manifest(self, ckpt_id: str, data: bytes) -> None:
+        raise NotImplementedError
+
+    def delete(self, ckpt_id: str) -> None:
+        """Remove a checkpoint: its manifest first, then everything else."""
+        raise NotImplementedError
+
+    # -- reading -----------------------------------------------------------------------------
+    def open(self, ckpt_id: str, name: str):
+        raise NotImplementedError
+
+    def size(self, ckpt_id: str, name: str) -> int:
+        raise NotImplementedError
+
+    def read_verified(self, ckpt_id: str, name: str, entry: FileEntry) -> torch.Tensor:
+        """The file's bytes as a uint8 tensor, hashed while read; raise unless they match."""
+        url = self.url_of(f"{ckpt_id}/{name}")
+        try:
+            size = self.size(ckpt_id, name)
+        except FileNotFoundError:
+            raise CheckpointError(f"{url}: file listed in the manifest is missing") from None
+        if size != entry.bytes:
+            raise CheckpointError(f"{url}: file is {size} bytes, the manifest records {entry.bytes}")
+        algorithm, _ = parse_checksum(entry.checksum)
+        hasher = new_hasher(algorithm)
+        buffer = torch.empty(entry.bytes, dtype=torch.uint8)
+        view = memoryview(buffer.numpy())
+        done = 0
+        with self.open(ckpt_id, name) as f:
+            while done < entry.bytes:
+                n = f.readinto(view[done : done + CHUNK])
+                if not n:
+                    break
+                hasher.update(view[done : done + n])
+                done += n
+        if done != entry.bytes:
+            raise CheckpointError(f"{url}: read {done} bytes, the manifest records {entry.bytes}")
+        actual = f"{algorithm}:{hasher.hexdigest()}"
+        if actual != entry.checksum:
+            raise CheckpointError(f"{url}: checksum {actual} does not match the manifest ({entry.checksum})")
+        return buffer
+
+    def verify(self, ckpt_id: str, name: str, entry: FileEntry) -> None:
+        """Raise CheckpointError unless the file has the manifest's size and checksum."""
+        url = self.url_of(f"{ckpt_id}/{name}")
+        try:
+            size = self.size(ckpt_id, name)
+        except FileNotFoundError:
+            raise CheckpointError(f"{url}: file listed in the manifest is missing") from None
+        if size != entry.bytes:
+            raise CheckpointError(f"{url}: file is {size} bytes, the manifest records {entry.bytes}")
+        algorithm, _ = parse_checksum(entry.checksum)
+        hasher = new_hasher(algorithm)
+        with self.open(ckpt_id, name) as f:
+            while chunk := f.read(CHUNK):
+                hasher.update(chunk)
+        actual = f"{algorithm}:{hasher.hexdigest()}"
+        if actual != entry.checksum:
+            raise CheckpointError(f"{url}: checksum {actual} does not match the manifest ({entry.checksum})")
+
+
+class LocalStore(Store):
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(strip_file_scheme(root))
+        self.url = self.root
+        try:
+            os.makedirs(self.root, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(f"{self.root}: cannot create the checkpoint root: {exc}") from exc
+
+    def _path(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    def list_ids(self) -> list[str]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return [n for n in names if parse_id(n) is not None]
+
+    def read_manifest_bytes(self, ckpt_id: str) -> bytes | None:
+        try:
+            with open(self._path(ckpt_id, MANIFEST_NAME), "rb") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def make_dir(self, ckpt_id: str, *, exist_ok: bool) -> None:
+        os.makedirs(self._path(ckpt_id), exist_ok=exist_ok)
+        fsync_dir(self.root)
+
+    def put(self, local_path: str, ckpt_id: str, name: str, *, move: bool) -> None:
+        dest = self._path(ckpt_id, name)
+        if move:
+            try:
+                os.rename(local_path, dest)  # same file system: data already fsynced
+                return
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+        tmp = dest + ".part"
+        with open(local_path, "rb") as src, open(tmp, "xb") as dst:
+            shutil.copyfileobj(src, dst, CHUNK)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.rename(tmp, dest)
+
+    def seal_dir(self, ckpt_id: str) -> None:
+        fsync_dir(self._path(ckpt_id))
+
+    def write_manifest(self, ckpt_id: str, data: bytes) -> None:
+        final = self._path(ckpt_id, MANIFEST_NAME)
+        tmp = final + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(tmp, final)
+        fsync_dir(self._path(ckpt_id))
+
+    def delete(self, ckpt_id: str) -> None:
+        path = self._path(ckpt_id)
+        try:
+            os.unlink(os.path.join(path, MANIFEST_NAME))
+            fsync_dir(path)
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(path, ignore_errors=False)
+        fsync_dir(self.root)
+
+    def open(self, ckpt_id: str, name: str):
+        return open(self._path(ckpt_id, name), "rb", buffering=0)
+
+    def size(self, ckpt_id: str, name: str) -> int:
+        return os.path.getsize(self._path(ckpt_id, name))
+
+    def same_device(self, path: str) -> bool:
+        try:
+            return os.stat(path).st_dev == os.stat(self.root).st_dev
+        except OSError:
+            return False
+
+
+class FsspecStore(Store):
+    """Any fsspec file system. The manifest object is written last with a single PUT."""
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
+        self.url = root.rstrip("/")
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        except (ImportError, ValueError) as exc:
+            raise CheckpointError(f"{root}: cannot open the checkpoint root: {exc}") from exc
+        self.root = self.root.rstrip("/")
+
+    def _path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def list_ids(self) -> list[str]:
+        self.fs.invalidate_cache(self.root)
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+        return [n for n in names if parse_id(n) is not None]
+
+    def read_manifest_bytes(self, ckpt_id: str) -> bytes | None:
+        try:
+            return self.fs.cat_file(self._path(ckpt_id, MANIFEST_NAME))
+        except FileNotFoundError:
+            return None
+
+    def make_dir(self, ckpt_id: str, *, exist_ok: bool) -> None:
+        path = self._path(ckpt_id)
+        if not exist_ok and self.fs.exists(path):
+            raise FileExistsError(errno.EEXIST, "checkpoint directory exists", self.url_of(ckpt_id))
+        self.fs.makedirs(path, exist_ok=True)  # a no-op on object stores
+
+    def put(self, local_path: str, ckpt_id: str, name: str, *, move: bool) -> None:
+        remote = self._path(ckpt_id, name)
+        self.fs.put_file(local_path, remote)
+        self.fs.invalidate_cache(remote)
+        size = self.fs.size(remote)
+        expected = os.path.getsize(local_path)
+        if size != expected:
+            raise CheckpointError(
+                f"{self.url_of(ckpt_id + '/' + name)}: uploaded {expected} bytes, the destination "
+                f"holds {size}"
+            )
+
+    def write_manifest(self, ckpt_id: str, data: bytes) -> None:
+        self.fs.pipe_file(self._path(ckpt_id, MANIFEST_NAME), data)
+
+    def delete(self, ckpt_id: str) -> None:
+        try:
+            self.fs.rm_file(self._path(ckpt_id, MANIFEST_NAME))
+        except FileNotFoundError:
+            pass
+        try:
+            self.fs.rm(self._path(ckpt_id), recursive=True)
+        except FileNotFoundError:
+            pass
+        self.fs.invalidate_cache(self.root)
+
+    def open(self, ckpt_id: str, name: str):
+        return self.fs.open(self._path(ckpt_id, name), "rb", block_size=CHUNK)
+
+    def size(self, ckpt_id: str, name: str) -> int:
+        path = self._path(ckpt_id, name)
+        self.fs.invalidate_cache(path)
+        return self.fs.size(path)
+
+
+def open_store(root: str, storage_options: dict[str, Any] | None = None) -> Store:
+    """A LocalStore for plain paths and file:// URLs, an FsspecStore for anything else."""
+    if not isinstance(root, (str, os.PathLike)):
+        raise TypeError(f"checkpoint root must be a path or URL string, got {type(root).__name__}")
+    root = os.fspath(root)
+    if is_local(root) and not storage_options:
+        return LocalStore(root)
+    return FsspecStore(root, storage_options)
+
