@@ -29,6 +29,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
 SHARDLOADER = [PYTHON, "-m", "shardloader.cli.main"]
+EXPERIMENT = "shardloader-demo"
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -50,7 +51,8 @@ def killed_and_resumed(args: argparse.Namespace, out: str) -> tuple[int, dict]:
     """Start a run, SIGKILL it at a random step past the first checkpoint, resume it."""
     rng = random.Random(args.seed)
     kill_at = rng.randint(args.checkpoint_every + 1, args.steps - 2)
-    cmd = train_cmd(args, out, "resumed", ["--announce", "--mlflow", args.mlflow])
+    mlflow = ["--mlflow", args.mlflow, "--experiment", EXPERIMENT]
+    cmd = train_cmd(args, out, "resumed", ["--announce", *mlflow])
     print(f"$ {' '.join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd)}  "
           f"# SIGKILL at step {kill_at}", flush=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -60,8 +62,10 @@ def killed_and_resumed(args: argparse.Namespace, out: str) -> tuple[int, dict]:
             proc.send_signal(signal.SIGKILL)
             break
     proc.wait()
-    print(f"  killed with {signal.Signals(-proc.returncode).name} at step {kill_at}", flush=True)
-    run(train_cmd(args, out, "resumed", ["--resume", "--mlflow", args.mlflow]))
+    if proc.returncode != -signal.SIGKILL:
+        raise SystemExit(f"the training run ended with code {proc.returncode} before step {kill_at}")
+    print(f"  killed with SIGKILL at step {kill_at}", flush=True)
+    run(train_cmd(args, out, "resumed", ["--resume", *mlflow]))
     with open(os.path.join(out, "summary-resumed.json")) as f:
         return kill_at, json.load(f)
 
@@ -100,6 +104,17 @@ def torch_save_seconds(path: str, out: str) -> float:
     return sorted(times)[1]
 
 
+def prepare_mlflow(out: str) -> str:
+    """A local MLflow store (sqlite) with its artifacts under `out`, like a user's default setup."""
+    from mlflow import MlflowClient
+
+    uri = "sqlite:///" + os.path.join(out, "mlflow.db")
+    client = MlflowClient(uri)
+    if client.get_experiment_by_name(EXPERIMENT) is None:
+        client.create_experiment(EXPERIMENT, artifact_location="file://" + os.path.join(out, "mlartifacts"))
+    return uri
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "demo-output"))
@@ -111,10 +126,14 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=int(os.environ.get("DEMO_SEED", "7")))
     args = p.parse_args()
     out = args.out
-    for name in ("checkpoints-reference", "checkpoints-resumed", "mlruns"):
-        shutil.rmtree(os.path.join(out, name), ignore_errors=True)
+    for name in ("checkpoints-reference", "checkpoints-resumed", "mlartifacts", "mlflow.db"):
+        path = os.path.join(out, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
     os.makedirs(out, exist_ok=True)
-    args.mlflow = "file:" + os.path.join(out, "mlruns")
+    args.mlflow = prepare_mlflow(out)
     started = time.perf_counter()
 
     print("\n== 1. data: a generated image folder, converted to shards", flush=True)
@@ -143,7 +162,7 @@ def main() -> None:
     equal, tensors = same_state(reference, resumed)
     loader_stats = summary.get("loader", {})
     ckpt_stats = summary.get("checkpoint", {})
-    blocking = ckpt_stats.get("blocking_seconds_median") or ckpt_stats.get("stage_seconds_median")
+    blocking = ckpt_stats.get("last", {}).get("blocking_s")
     baseline = torch_save_seconds(os.path.join(out, "final-reference.pt"), out)
 
     print("\n== summary", flush=True)
@@ -153,12 +172,12 @@ def main() -> None:
         print(f"stall                 {100 * loader_stats['stall_fraction']:.1f}% of wall time waiting for data "
               f"(p95 fetch {1e3 * loader_stats.get('fetch_seconds_p95', 0):.1f} ms)")
     if blocking is not None:
-        print(f"checkpoint blocking   {1e3 * blocking:.1f} ms per save vs torch.save+fsync "
-              f"{1e3 * baseline:.1f} ms ({baseline / blocking:.1f}x less)")
+        print(f"checkpoint blocking   {1e3 * blocking:.1f} ms per save (model+optimizer+loader+RNG) vs "
+              f"torch.save+fsync of model+optimizer {1e3 * baseline:.1f} ms ({baseline / blocking:.1f}x less)")
     print(f"killed at step        {kill_at} (SIGKILL), resumed from the newest complete checkpoint")
     verdict = "EXACT: identical" if equal else "MISMATCH: different"
     print(f"exact resume          {verdict} final weights and optimizer state ({tensors} tensors, torch.equal)")
-    print(f"MLflow store          {os.path.join(out, 'mlruns')}")
+    print(f"MLflow store          {args.mlflow}  (mlflow ui --backend-store-uri {args.mlflow})")
     if os.path.exists(report_png):
         print(f"stall plot            {report_png}")
     print(f"demo took             {time.perf_counter() - started:.0f} s")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -56,11 +57,19 @@ class Dataset:
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
         self._readers_lock = threading.RLock()
         self._pid = os.getpid()
+        self._thread = threading.local()
+
+    def shard_wait_seconds(self) -> float:
+        """Seconds this thread has spent waiting for shard files to become available (download,
+        another process's download, verification): the storage share of reading time."""
+        if os.getpid() != self._pid:
+            self._reset_process_state()
+        return getattr(self._thread, "wait_seconds", 0.0)
 
     # -- pickling: only the description travels, never open files ------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_readers", "_readers_lock", "_pid"):
+        for key in ("_readers", "_readers_lock", "_pid", "_thread"):
             state.pop(key, None)
         return state
 
@@ -105,7 +114,13 @@ class Dataset:
                 self._readers.move_to_end(shard)
                 return reader
             info = self.index.shards[shard]
-            reader = open_shard(info, self.source.local_path(info), self.index.schema)
+            start = time.perf_counter()
+            try:
+                path = self.source.local_path(info)
+            finally:
+                waited = time.perf_counter() - start
+                self._thread.wait_seconds = getattr(self._thread, "wait_seconds", 0.0) + waited
+            reader = open_shard(info, path, self.index.schema)
             self._readers[shard] = reader
             while len(self._readers) > self.max_open_shards:
                 old_shard, old_reader = self._readers.popitem(last=False)

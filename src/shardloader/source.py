@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import fsspec
@@ -34,6 +35,16 @@ class ShardSource(Protocol):
         """The caller no longer reads shard `info` (a cached shard may be evicted again)."""
         ...
 
+    def start_prefetch(self, shard_infos: Iterable[ShardInfo]) -> Any:
+        """Start fetching `shard_infos` (in order of first need) in the background; returns a
+        handle with `stop()`. Never blocks the caller."""
+        ...
+
+    def counters(self) -> dict[str, float]:
+        """This process's counters: cache_hits, cache_misses, bytes_downloaded,
+        download_seconds, wait_seconds (zeros for a local source)."""
+        ...
+
 
 def is_local(url: str) -> bool:
     """True for plain paths and file:// URLs."""
@@ -49,8 +60,13 @@ def load_index(url: str, storage_options: dict[str, Any] | None = None) -> Index
     """Read and validate `index.json` at dataset root `url` (local path or fsspec URL)."""
     index_url = join_url(url, INDEX_NAME)
     try:
-        with fsspec.open(index_url, "rb", **(storage_options or {})) as f:
-            text = f.read()
+        if is_local(url):
+            with fsspec.open(index_url, "rb", **(storage_options or {})) as f:
+                text = f.read()
+        else:  # remote: transient errors are retried with backoff, like shard downloads
+            from shardloader.cache.fetch import read_bytes
+
+            text = read_bytes(index_url, storage_options)
     except FileNotFoundError:
         hint = ""
         if is_local(url) and os.path.isdir(strip_file_scheme(url)):
@@ -105,6 +121,17 @@ class LocalSource:
 
     def release(self, info: ShardInfo) -> None:
         return None
+
+    def start_prefetch(self, shard_infos: Iterable[ShardInfo]) -> Any:
+        """Nothing to prefetch: local shards are read in place."""
+        from shardloader.cache.prefetch import NoPrefetch
+
+        return NoPrefetch()
+
+    def counters(self) -> dict[str, float]:
+        return dict.fromkeys(
+            ("cache_hits", "cache_misses", "bytes_downloaded", "download_seconds", "wait_seconds"), 0
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         return {"root": self.root, "verify": self.verify}

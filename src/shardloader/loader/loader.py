@@ -135,6 +135,11 @@ class Loader:
     def epoch(self) -> int:
         return self._epoch
 
+    @property
+    def step(self) -> int:
+        """Batches delivered since epoch 0 began (the training step, restored by a resume)."""
+        return self._epoch * len(self) + -(-self._position // self.global_batch_size)
+
     def tail_report(self) -> dict[str, int]:
         """How many samples each epoch pads or drops to give every rank equal batches."""
         n, g = self.num_samples, self.global_batch_size
@@ -261,6 +266,8 @@ class _EpochIterator:
         depth = max(1, loader.num_workers) * loader.prefetch_factor
         for _ in range(depth):
             self._submit_next()
+        counters = getattr(loader.dataset.source, "counters", None)
+        self._counters_at_start = counters() if counters is not None else {}
         self.prefetch_handle = self._start_prefetch()
         self.finished = False
 
@@ -338,6 +345,7 @@ class _EpochIterator:
             return
         from shardloader.telemetry.records import BatchRecord
 
+        local = self._local_counter_delta()
         record = BatchRecord(
             step=self.epoch * self.steps + task.step + 1,
             epoch=self.epoch,
@@ -349,15 +357,28 @@ class _EpochIterator:
             transform_seconds=timings.transform_seconds,
             download_wait_seconds=timings.download_wait_seconds,
             queue_depth=queue_depth,
-            cache_hits=timings.cache_hits,
-            cache_misses=timings.cache_misses,
-            bytes_downloaded=timings.bytes_downloaded,
+            cache_hits=timings.cache_hits + int(local.get("cache_hits", 0)),
+            cache_misses=timings.cache_misses + int(local.get("cache_misses", 0)),
+            bytes_downloaded=timings.bytes_downloaded + int(local.get("bytes_downloaded", 0)),
             padded=task.padded,
         )
         if loader._stats is not None:
             loader._stats.on_batch(record)
         if loader.telemetry is not None:
             loader.telemetry.on_batch(record)
+
+    def _local_counter_delta(self) -> dict[str, float]:
+        """Cache counters of this (the training) process since the last batch: the prefetcher's
+        downloads happen here. With num_workers=0 the batch's own reads are here too, and were
+        already counted in its timings, so only worker pools add this process's counters."""
+        counters = getattr(self.loader.dataset.source, "counters", None)
+        if counters is None or self.loader.num_workers == 0 or self.loader.worker_type == "thread":
+            return {}
+        now = counters()
+        before, self._counters_seen = getattr(self, "_counters_seen", None), now
+        if before is None:
+            before = self._counters_at_start
+        return {k: now.get(k, 0) - before.get(k, 0) for k in ("cache_hits", "cache_misses", "bytes_downloaded")}
 
     def _finish(self, error: bool = False) -> None:
         if self.finished:

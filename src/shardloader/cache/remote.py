@@ -1,0 +1,236 @@
+"""`RemoteSource`: shards of a dataset at any fsspec URL, read through the node's shard cache.
+
+`Dataset("s3://bucket/prefix", cache_dir=..., cache_limit="200GB", storage_options=...)` builds
+one. Each process (the training process and every worker it starts) opens the same cache
+directory; downloads go through `shardloader.cache.store.ShardCache` (one downloader per shard,
+verified, atomic, bounded) and `shardloader.cache.fetch.download` (ranged reads with retries).
+
+The object pickles as its configuration only, so the Dataset travels into worker processes
+cheaply; each process opens its own filesystem client and cache handle on first use and keeps
+its own counters (`counters()`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from shardloader.cache.fetch import FetchStats, RetryPolicy, download, filesystem
+from shardloader.cache.prefetch import NoPrefetch, Prefetcher
+from shardloader.cache.store import COUNTER_NAMES, Companion, Fetch, ShardCache
+from shardloader.errors import UnsafePathError
+from shardloader.format.checksum import parse_checksum
+from shardloader.format.index import ShardInfo
+from shardloader.format.paths import join_url, safe_relative_path
+from shardloader.units import parse_size
+
+log = logging.getLogger(__name__)
+
+CACHE_DIR_ENV = "SHARDLOADER_CACHE_DIR"
+CACHE_LIMIT_ENV = "SHARDLOADER_CACHE_LIMIT"
+
+
+def _size(value: int | str, what: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
+def default_cache_dir() -> str:
+    """$SHARDLOADER_CACHE_DIR, else $XDG_CACHE_HOME/shardloader, else ~/.cache/shardloader."""
+    if os.environ.get(CACHE_DIR_ENV):
+        return os.environ[CACHE_DIR_ENV]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "shardloader")
+
+
+def default_cache_limit(cache_dir: str) -> int:
+    """$SHARDLOADER_CACHE_LIMIT, else 80% of the space free on the cache's filesystem now."""
+    if os.environ.get(CACHE_LIMIT_ENV):
+        return _size(os.environ[CACHE_LIMIT_ENV], CACHE_LIMIT_ENV)
+    return max(1, int(shutil.disk_usage(cache_dir).free * 0.8))
+
+
+class RemoteSource:
+    """Verified local paths for the shards of a remote dataset, through the node cache.
+
+    `cache_limit` is a hard bound in bytes (or a size string) on the shards kept in
+    `cache_dir`. `retry` bounds retries per shard. `chunk_size` and `parallel_ranges` set how a
+    shard is read (ranges of that size, that many at once). `prefetch=False` turns background
+    prefetch off (readers then fetch on demand). The prefetch knobs bound the background window: `prefetch_concurrency` downloads at once, at most `prefetch_shards`
+    shards and `prefetch_bytes` bytes (default: half the cache limit) scheduled but not yet
+    opened by a reader. `full_timeout` is how long a reader waits for other processes to
+    release shards before `CacheFullError`.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
+        chunk_size: int | str = "8MiB",
+        parallel_ranges: int = 4,
+        prefetch: bool = True,
+        prefetch_concurrency: int = 8,
+        prefetch_shards: int = 16,
+        prefetch_bytes: int | str | None = None,
+        full_timeout: float = 30.0,
+    ) -> None:
+        self.root = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.cache_dir = os.path.abspath(os.fspath(cache_dir or default_cache_dir()))
+        os.makedirs(self.cache_dir, mode=0o700, exist_ok=True)
+        self.cache_limit = (
+            _size(cache_limit, "cache_limit") if cache_limit is not None
+            else default_cache_limit(self.cache_dir)
+        )
+        if self.cache_limit <= 0:
+            raise ValueError(f"cache_limit must be positive, got {cache_limit!r}")
+        self.retry = retry or RetryPolicy()
+        self.chunk_size = _size(chunk_size, "chunk_size")
+        if self.chunk_size <= 0 or parallel_ranges < 1:
+            raise ValueError("chunk_size must be positive and parallel_ranges at least 1")
+        self.parallel_ranges = parallel_ranges
+        self.prefetch = prefetch
+        self.prefetch_concurrency = prefetch_concurrency
+        self.prefetch_shards = prefetch_shards
+        self.prefetch_bytes = (
+            _size(prefetch_bytes, "prefetch_bytes") if prefetch_bytes is not None
+            else self.cache_limit // 2
+        )
+        self.full_timeout = full_timeout
+        self._reset_process_state()
+
+    _CONFIG = (
+        "root", "storage_options", "cache_dir", "cache_limit", "retry", "chunk_size",
+        "parallel_ranges", "prefetch", "prefetch_concurrency", "prefetch_shards", "prefetch_bytes",
+        "full_timeout",
+    )
+
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._store_obj: ShardCache | None = None
+        self._fs: Any = None
+        self._base = ""
+        self._rng = random.Random()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {key: getattr(self, key) for key in self._CONFIG}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for key in self._CONFIG:
+            setattr(self, key, state[key])
+        self._reset_process_state()
+
+    # -- per-process handles -------------------------------------------------------------------
+    @property
+    def store(self) -> ShardCache:
+        """This process's handle on the node cache."""
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        with self._lock:
+            if self._store_obj is None:
+                self._store_obj = ShardCache(
+                    self.cache_dir, self.cache_limit, full_timeout=self.full_timeout
+                )
+            return self._store_obj
+
+    def _filesystem(self) -> tuple[Any, str]:
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        with self._lock:
+            if self._fs is None:  # this process's client (see fetch.filesystem on forks)
+                self._fs, self._base = filesystem(self.root, self.storage_options)
+            return self._fs, self._base
+
+    def url_of(self, info: ShardInfo) -> str:
+        return join_url(self.root, info.path)
+
+    def plan(self, info: ShardInfo) -> tuple[Fetch, tuple[Companion, ...]]:
+        """How to download `info`: the shard's fetch callback, and its companion files (a tar
+        shard's offsets sidecar, when the index describes one)."""
+        return self._fetch_callback(info.path, info.bytes, info.checksum), self._companions(info)
+
+    def _fetch_callback(self, relative: str, size: int, checksum: str) -> Fetch:
+        fs, base = self._filesystem()
+        path = join_url(base, relative) if base else relative
+        url = join_url(self.root, relative)
+
+        def fetch(fd: int, cancel: threading.Event | None) -> FetchStats:
+            return download(
+                fs, path, url, fd, size=size, checksum=checksum, policy=self.retry,
+                chunk_size=self.chunk_size, parallel=self.parallel_ranges, cancel=cancel,
+                rng=self._rng,
+            )
+
+        return fetch
+
+    def _companions(self, info: ShardInfo) -> tuple[Companion, ...]:
+        if info.format != "tar":
+            return ()
+        entry = info.extra.get("offsets")
+        if not isinstance(entry, dict):
+            return ()
+        relative, size, checksum = entry.get("path"), entry.get("bytes"), entry.get("checksum")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return ()
+        try:
+            relative = safe_relative_path(relative, what=f"{info.path}: offsets sidecar")
+            parse_checksum(str(checksum))
+        except (UnsafePathError, ValueError) as e:
+            log.warning("%s: not caching the offsets sidecar: %s", info.path, e)
+            return ()
+        return (Companion(".idx", size, self._fetch_callback(relative, size, str(checksum))),)
+
+    # -- the ShardSource contract --------------------------------------------------------------
+    def local_path(self, info: ShardInfo) -> str:
+        """A local path to the whole, verified file of `info`, pinned until `release(info)`.
+
+        Downloads it, or waits for the process already downloading it. Raises FetchError
+        (URL and cause) or CacheFullError.
+        """
+        fetch, companions = self.plan(info)
+        return self.store.open(info, fetch, companions)
+
+    def release(self, info: ShardInfo) -> None:
+        """The caller stopped reading `info`: unpin it so that it may be evicted."""
+        if self._store_obj is not None and self._pid == os.getpid():
+            self._store_obj.release(info)
+
+    def start_prefetch(self, shard_infos: Iterable[ShardInfo]) -> Prefetcher | NoPrefetch:
+        """Start downloading `shard_infos` (order of first need) in background threads.
+
+        Returns at once; call `.stop()` on the handle to end it.
+        """
+        if not self.prefetch:
+            return NoPrefetch()
+        return Prefetcher(
+            self.store, self.plan, shard_infos, concurrency=self.prefetch_concurrency,
+            max_shards=self.prefetch_shards, max_bytes=self.prefetch_bytes,
+        ).start()
+
+    def counters(self) -> dict[str, float]:
+        """This process's cache counters: cache_hits, cache_misses, bytes_downloaded,
+        download_seconds, wait_seconds, and more (verify_seconds, evictions, retries, ...)."""
+        if self._store_obj is None or self._pid != os.getpid():
+            return dict.fromkeys(COUNTER_NAMES, 0)
+        with self._store_obj._mutex:
+            return dict(self._store_obj.counters)
+
+    def close(self) -> None:
+        if self._store_obj is not None and self._pid == os.getpid():
+            self._store_obj.close()
+            self._store_obj = None
+
+    def __repr__(self) -> str:
+        return f"RemoteSource({self.root!r}, cache_dir={self.cache_dir!r}, cache_limit={self.cache_limit})"

@@ -1,0 +1,80 @@
+"""`shardloader cache verify|info|prune DIR`: look after a node's shard cache directory.
+
+`verify` re-hashes every cached shard against the checksum its name records and exits 1 listing
+each bad file (`--remove` deletes them, under their download lock, so the next reader fetches
+them again). `info` prints what the cache holds. `prune` evicts least recently used shards that
+no process is reading until at most `--to` bytes remain (`--to 0` empties it).
+All are safe while training processes use the cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from shardloader.cli._common import size_arg
+from shardloader.errors import ShardloaderError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("cache", help="verify, inspect or prune a node's shard cache")
+    actions = parser.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
+    verify = actions.add_parser("verify", help="re-hash every cached shard; exit 1 if any is bad")
+    verify.add_argument("dir", metavar="DIR", help="the cache directory (cache_dir)")
+    verify.add_argument("--remove", action="store_true", help="delete the bad files")
+    verify.add_argument("-v", "--verbose", action="store_true", help="list good files too")
+    verify.set_defaults(func=run_verify)
+    info = actions.add_parser("info", help="size and number of cached shards")
+    info.add_argument("dir", metavar="DIR")
+    info.set_defaults(func=run_info)
+    prune = actions.add_parser("prune", help="evict unpinned shards, least recently used first")
+    prune.add_argument("dir", metavar="DIR")
+    prune.add_argument("--to", type=size_arg, required=True, metavar="SIZE",
+                       help="bytes to keep at most, e.g. 50GB or 0")
+    prune.set_defaults(func=run_prune)
+
+
+def _open(directory: str):
+    from shardloader.cache.store import ShardCache
+
+    if not all(os.path.isdir(os.path.join(directory, d)) for d in ("data", "index", "locks", "tmp")):
+        raise ShardloaderError(f"{directory}: not a shardloader cache directory (no data/, index/, locks/, tmp/)")
+    return ShardCache(directory, limit=1 << 62)
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    cache = _open(args.dir)
+    good = bad = 0
+    for path, status, detail in cache.verify_all(remove=args.remove):
+        if status == "ok":
+            good += 1
+            if args.verbose:
+                print(f"ok   {path}")
+        else:
+            bad += 1
+            print(f"BAD  {path}: {detail}")
+    cache.close()
+    print(f"{good} ok, {bad} bad in {args.dir}")
+    return 1 if bad else 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from shardloader.units import format_size
+
+    cache = _open(args.dir)
+    usage = cache.usage()
+    cache.close()
+    print(f"{args.dir}: {usage['files']} shards, {format_size(usage['data_bytes'])} "
+          f"({usage['data_bytes']} bytes), {format_size(usage['tmp_bytes'])} in downloads in progress")
+    return 0
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    from shardloader.units import format_size
+
+    cache = _open(args.dir)
+    result = cache.prune(args.to)
+    cache.close()
+    print(f"evicted {result['evicted']} shards ({format_size(result['bytes_freed'])}); "
+          f"{format_size(result['remaining'])} remain")
+    return 0

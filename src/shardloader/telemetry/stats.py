@@ -1,0 +1,205 @@
+"""Running statistics of delivered batches: what `loader.stats()` returns.
+
+Cost per batch is O(1): running sums, a fixed-size window (a deque with running sums) and a
+log-bucketed histogram for the quantiles. The histogram keeps one counter per bucket of
+relative width `2 * relative_accuracy`, so every quantile it reports is within
+`relative_accuracy` (default 1%) of a value that was really observed at that rank, whatever
+the number of batches. Memory is bounded by the value range: between 1 ns and 1 hour there are
+fewer than 1,300 buckets. The maximum and the top-k slowest batches are exact.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import threading
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+from shardloader.telemetry.records import BatchRecord
+
+_TINY = 1e-9  # values at or below this (seconds) count as zero
+
+
+class LogHistogram:
+    """Quantiles of non-negative values within a relative accuracy, in bounded memory."""
+
+    def __init__(self, relative_accuracy: float = 0.01) -> None:
+        if not 0 < relative_accuracy < 1:
+            raise ValueError(f"relative_accuracy must be in (0, 1), got {relative_accuracy}")
+        self.relative_accuracy = relative_accuracy
+        self._gamma = (1 + relative_accuracy) / (1 - relative_accuracy)
+        self._log_gamma = math.log(self._gamma)
+        self._buckets: dict[int, int] = {}
+        self._zeros = 0
+        self.count = 0
+
+    def add(self, value: float) -> None:
+        self.count += 1
+        if value <= _TINY:
+            self._zeros += 1
+            return
+        key = math.ceil(math.log(value) / self._log_gamma)
+        self._buckets[key] = self._buckets.get(key, 0) + 1
+
+    def quantile(self, q: float) -> float:
+        """The value at quantile `q` (0..1); 0.0 when empty."""
+        if self.count == 0:
+            return 0.0
+        rank = q * (self.count - 1)
+        if rank < self._zeros:
+            return 0.0
+        seen = self._zeros
+        for key in sorted(self._buckets):
+            seen += self._buckets[key]
+            if seen > rank:
+                # Midpoint (in relative terms) of the bucket (gamma^(k-1), gamma^k].
+                return 2 * self._gamma**key / (self._gamma + 1)
+        return 2 * self._gamma ** max(self._buckets) / (self._gamma + 1)
+
+    def __len__(self) -> int:
+        return len(self._buckets) + (1 if self._zeros else 0)
+
+
+class StatsAggregator:
+    """Running summary of `BatchRecord`s. Also a `TelemetrySink` (cheap, synchronous).
+
+    `window` is the number of most recent batches for the windowed stall fraction and
+    samples/s; `top_k` is how many slowest batches to remember.
+    """
+
+    def __init__(self, window: int = 100, top_k: int = 5, relative_accuracy: float = 0.01) -> None:
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        self.window = window
+        self.top_k = top_k
+        self._lock = threading.Lock()
+        self._relative_accuracy = relative_accuracy
+        self.reset()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._hist = LogHistogram(self._relative_accuracy)
+            self._batches = 0
+            self._samples = 0
+            self._padded = 0
+            self._fetch_total = 0.0
+            self._fetch_max = 0.0
+            self._read_total = 0.0
+            self._transform_total = 0.0
+            self._download_wait_total = 0.0
+            self._queue_depth_total = 0
+            self._hits = 0
+            self._misses = 0
+            self._bytes = 0
+            self._first_start: float | None = None  # when the first fetch began
+            self._last_time: float | None = None
+            # Window of (fetch_seconds, delivered time, samples) with running sums.
+            self._recent: deque[tuple[float, float, int]] = deque()
+            self._recent_fetch = 0.0
+            self._recent_samples = 0
+            self._slowest: list[tuple[float, int]] = []  # min-heap of (fetch_seconds, step)
+
+    # -- the sink interface (on_batch is the hot path) ----------------------------------------
+    def on_batch(self, record: BatchRecord) -> None:
+        self.add(record)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        return None
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def add(self, record: BatchRecord) -> None:
+        fetch = record.fetch_seconds
+        with self._lock:
+            self._batches += 1
+            self._samples += record.samples
+            self._padded += record.padded
+            self._fetch_total += fetch
+            if fetch > self._fetch_max:
+                self._fetch_max = fetch
+            self._hist.add(fetch)
+            self._read_total += record.read_seconds
+            self._transform_total += record.transform_seconds
+            self._download_wait_total += record.download_wait_seconds
+            self._queue_depth_total += record.queue_depth
+            self._hits += record.cache_hits
+            self._misses += record.cache_misses
+            self._bytes += record.bytes_downloaded
+            if self._first_start is None:
+                self._first_start = record.time - fetch
+            self._last_time = record.time
+            recent = self._recent
+            recent.append((fetch, record.time, record.samples))
+            self._recent_fetch += fetch
+            self._recent_samples += record.samples
+            if len(recent) > self.window:
+                old_fetch, _, old_samples = recent.popleft()
+                self._recent_fetch -= old_fetch
+                self._recent_samples -= old_samples
+            if self.top_k:
+                if len(self._slowest) < self.top_k:
+                    heapq.heappush(self._slowest, (fetch, record.step))
+                elif fetch > self._slowest[0][0]:
+                    heapq.heapreplace(self._slowest, (fetch, record.step))
+
+    # -- reading ------------------------------------------------------------------------------
+    def summary(self) -> dict[str, float]:
+        """A flat dict of numbers (ready for `log_metrics`).
+
+        Keys: batches, samples, padded, fetch_seconds_{total,mean,p50,p95,p99,max},
+        wall_seconds, stall_fraction, samples_per_second, stall_fraction_window,
+        samples_per_second_window, {read,transform,download_wait}_seconds_total,
+        queue_depth_mean, cache_hits, cache_misses, bytes_downloaded and, once the cache was
+        consulted, cache_hit_ratio. The stall fraction is time waiting for data / wall time.
+        """
+        with self._lock:
+            n = self._batches
+            out: dict[str, float] = {
+                "batches": n,
+                "samples": self._samples,
+                "padded": self._padded,
+                "fetch_seconds_total": self._fetch_total,
+                "fetch_seconds_mean": self._fetch_total / n if n else 0.0,
+                "fetch_seconds_p50": self._hist.quantile(0.50),
+                "fetch_seconds_p95": self._hist.quantile(0.95),
+                "fetch_seconds_p99": self._hist.quantile(0.99),
+                "fetch_seconds_max": self._fetch_max,
+                "read_seconds_total": self._read_total,
+                "transform_seconds_total": self._transform_total,
+                "download_wait_seconds_total": self._download_wait_total,
+                "queue_depth_mean": self._queue_depth_total / n if n else 0.0,
+                "cache_hits": self._hits,
+                "cache_misses": self._misses,
+                "bytes_downloaded": self._bytes,
+            }
+            wall = 0.0
+            if self._first_start is not None and self._last_time is not None:
+                wall = max(self._last_time - self._first_start, 0.0)
+            out["wall_seconds"] = wall
+            out["stall_fraction"] = min(self._fetch_total / wall, 1.0) if wall > 0 else 0.0
+            out["samples_per_second"] = self._samples / wall if wall > 0 else 0.0
+            window_wall = 0.0
+            if self._recent:
+                first_fetch, first_time, _ = self._recent[0]
+                window_wall = max(self._recent[-1][1] - (first_time - first_fetch), 0.0)
+            out["stall_fraction_window"] = (
+                min(self._recent_fetch / window_wall, 1.0) if window_wall > 0 else 0.0
+            )
+            out["samples_per_second_window"] = (
+                self._recent_samples / window_wall if window_wall > 0 else 0.0
+            )
+            if self._hits + self._misses:
+                out["cache_hit_ratio"] = self._hits / (self._hits + self._misses)
+            return out
+
+    def slowest(self) -> list[dict[str, Any]]:
+        """The `top_k` slowest batches seen, slowest first: [{"step", "fetch_seconds"}]."""
+        with self._lock:
+            ranked = sorted(self._slowest, key=lambda item: (-item[0], item[1]))
+        return [{"step": step, "fetch_seconds": fetch} for fetch, step in ranked]

@@ -1,0 +1,238 @@
+"""The node shard cache in one process: content addressing, verification, LRU eviction within a
+hard limit, pins, clear errors, recovery of bookkeeping (invariant I6).
+
+Shards come from a real fsspec filesystem (a `file://` URL read through RemoteSource, exactly the
+code path of s3:// and http://, which tests/test_remote_*.py cover against real servers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+
+import pytest
+
+from shardloader.cache.remote import RemoteSource
+from shardloader.cache.store import cache_name
+from shardloader.dataset import Dataset
+from shardloader.errors import CacheFullError, ShardError
+from shardloader.format.checksum import checksum_file
+from shardloader.format.index import ShardInfo
+from shardloader.format.writer import write_shards
+from tests.fixtures.data import copy_dataset
+
+
+def uniform_samples(n: int, size: int = 3000, seed: int = 0) -> list[dict]:
+    return [{"data": hashlib.sha256(f"{seed}-{i}".encode()).digest() * (size // 32), "label": i}
+            for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def six_shards(tmp_path_factory):
+    """6 Arrow shards of 20 samples (about 60 KB each)."""
+    path = str(tmp_path_factory.mktemp("six") / "ds")
+    index = write_shards(uniform_samples(120), path, shard_samples=20)
+    return path, index
+
+
+def source(ds, cache, limit, **kw):
+    kw.setdefault("full_timeout", 0.5)
+    return RemoteSource("file://" + ds, cache_dir=str(cache), cache_limit=limit, **kw)
+
+
+def cached_names(cache) -> set[str]:
+    root = os.path.join(cache, "data")
+    return {name for sub in os.listdir(root) for name in os.listdir(os.path.join(root, sub))}
+
+
+def read_and_release(src, info) -> bytes:
+    path = src.local_path(info)
+    with open(path, "rb") as f:
+        data = f.read()
+    src.release(info)
+    return data
+
+
+def test_cached_file_is_content_addressed_private_and_whole(six_shards, tmp_path):
+    ds, index = six_shards
+    cache = tmp_path / "cache"
+    src = source(ds, cache, "10MB")
+    info = index.shards[0]
+    path = src.local_path(info)
+    algorithm, digest = info.checksum.split(":")
+    assert path == os.path.join(cache, "data", digest[:2], f"{algorithm}-{digest}.arrow")
+    assert open(path, "rb").read() == open(os.path.join(ds, info.path), "rb").read()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    for d in ("", "data", "tmp", "locks", "index", os.path.join("data", digest[:2])):
+        assert stat.S_IMODE(os.stat(os.path.join(cache, d)).st_mode) == 0o700
+    assert os.listdir(cache / "tmp") == []
+    counters = src.counters()
+    assert (counters["cache_misses"], counters["cache_hits"], counters["bytes_downloaded"]) == (1, 0, info.bytes)
+    assert src.local_path(info) == path and src.counters()["cache_hits"] == 1  # pinned twice
+    src.release(info)
+    src.release(info)
+
+
+def test_a_second_process_view_hits_the_cache_and_verifies_once(six_shards, tmp_path):
+    ds, index = six_shards
+    first, second = source(ds, tmp_path, "10MB"), source(ds, tmp_path, "10MB")
+    read_and_release(first, index.shards[1])
+    read_and_release(second, index.shards[1])
+    read_and_release(second, index.shards[1])
+    c = second.counters()
+    assert (c["cache_hits"], c["cache_misses"], c["bytes_downloaded"]) == (2, 0, 0)
+    assert c["verify_seconds"] > 0
+
+
+def test_a_bit_flip_in_the_cache_is_detected_and_fetched_again(six_shards, tmp_path):
+    ds, index = six_shards
+    info = index.shards[2]
+    original = open(os.path.join(ds, info.path), "rb").read()
+    path = source(ds, tmp_path, "10MB").local_path(info)
+    with open(path, "r+b") as f:  # damage it behind the cache's back
+        f.seek(info.bytes // 2)
+        byte = f.read(1)
+        f.seek(info.bytes // 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+    assert checksum_file(path)[0] != info.checksum
+    fresh = source(ds, tmp_path, "10MB")  # another process: verifies on first open
+    assert read_and_release(fresh, info) == original
+    c = fresh.counters()
+    assert (c["corrupt_refetched"], c["cache_misses"], c["bytes_downloaded"]) == (1, 1, info.bytes)
+    assert checksum_file(path)[0] == info.checksum
+
+
+def test_damage_after_this_process_verified_is_caught_on_the_next_open(six_shards, tmp_path):
+    ds, index = six_shards
+    info = index.shards[3]
+    src = source(ds, tmp_path, "10MB")
+    path = src.local_path(info)
+    src.release(info)
+    with open(path, "r+b") as f:
+        f.truncate(info.bytes - 100)  # truncated: size and mtime change
+    assert read_and_release(src, info) == open(os.path.join(ds, info.path), "rb").read()
+    assert src.counters()["corrupt_refetched"] == 1
+
+
+def usage(src) -> int:
+    u = src.store.usage()
+    return u["data_bytes"] + u["tmp_bytes"]
+
+
+def test_lru_eviction_keeps_the_cache_within_its_limit(six_shards, tmp_path):
+    ds, index = six_shards
+    s = index.shards
+    limit = int(max(x.bytes for x in s) * 2.5)
+    src = source(ds, tmp_path, limit)
+    name = [cache_name(x) for x in s]
+    for i in (0, 1, 2):
+        read_and_release(src, s[i])
+        assert usage(src) <= limit
+    assert cached_names(tmp_path) == {name[1], name[2]}  # 0 was least recently used
+    read_and_release(src, s[1])  # touch 1: now 2 is the oldest
+    read_and_release(src, s[3])
+    assert cached_names(tmp_path) == {name[1], name[3]}
+    assert usage(src) <= limit
+    assert src.counters()["evictions"] == 2
+
+
+def test_pinned_shards_are_never_evicted_and_a_full_cache_is_a_clear_error(six_shards, tmp_path):
+    ds, index = six_shards
+    s = index.shards
+    limit = int(max(x.bytes for x in s) * 2.5)
+    src = source(ds, tmp_path, limit, full_timeout=30)  # own pins: fails at once, no waiting
+    p0, p1 = src.local_path(s[0]), src.local_path(s[1])
+    with pytest.raises(CacheFullError, match=r"no room for shard shard-00002.arrow .* pin .* in this process"):
+        src.local_path(s[2])
+    assert os.path.exists(p0) and os.path.exists(p1)
+    assert os.listdir(tmp_path / "tmp") == []
+    src.release(s[0])
+    read_and_release(src, s[2])
+    assert not os.path.exists(p0) and os.path.exists(p1)
+
+
+def test_a_shard_larger_than_the_limit_is_a_clear_error(six_shards, tmp_path):
+    ds, index = six_shards
+    src = source(ds, tmp_path, 1000)
+    with pytest.raises(CacheFullError, match=r"shard-00000.arrow .* larger than the whole cache limit"):
+        src.local_path(index.shards[0])
+
+
+@pytest.mark.parametrize("digest", [" 1f" * 8, "0x" + "1f" * 8, "-" + "1f" * 8, "1_f" * 8, "AB" * 8])
+def test_checksums_that_would_make_odd_file_names_are_rejected(six_shards, tmp_path, digest):
+    ds, index = six_shards
+    good = index.shards[0]
+    bad = ShardInfo(good.path, good.format, good.samples, good.bytes, "xxh3_128:" + digest)
+    src = source(ds, tmp_path, "10MB")
+    with pytest.raises(ShardError, match="shard-00000.arrow: checksum .*(cannot name a cache file|not hexadecimal)"):
+        src.local_path(bad)
+    assert cached_names(tmp_path) == set()
+
+
+def test_lost_bookkeeping_is_rebuilt_from_the_files(six_shards, tmp_path):
+    """A process killed between rename and bookkeeping (here: the index deleted) leaves a whole
+    file that is not in the index; the next process counts it, so the limit still holds."""
+    ds, index = six_shards
+    s = index.shards
+    limit = int(max(x.bytes for x in s) * 1.5)
+    read_and_release(source(ds, tmp_path, limit), s[0])
+    import shutil
+
+    shutil.rmtree(tmp_path / "index")
+    src = source(ds, tmp_path, limit)
+    read_and_release(src, s[1])
+    assert cached_names(tmp_path) == {cache_name(s[1])}
+    assert src.counters()["evictions"] == 1
+
+
+def test_leftovers_of_a_dead_downloader_are_removed_and_not_counted(six_shards, tmp_path):
+    ds, index = six_shards
+    s = index.shards
+    src = source(ds, tmp_path, s[0].bytes)  # room for exactly one shard
+    store = src.store
+    name = cache_name(s[1])
+    leftover = tmp_path / "tmp" / f"{name}.999999.abcdef.part"
+    leftover.write_bytes(b"partial")
+    store.index.set("resv/" + name, {"bytes": s[1].bytes, "pid": 999999})  # no lock holder
+    fresh = source(ds, tmp_path, s[0].bytes)
+    assert read_and_release(fresh, s[0]) == open(os.path.join(ds, s[0].path), "rb").read()
+    assert not leftover.exists()
+    assert store.index.get("resv/" + name) is None
+
+
+def test_a_local_dataset_is_never_copied_or_evicted(six_shards, tmp_path):
+    ds, index = six_shards
+    local = copy_dataset(ds, tmp_path)
+    before = {n: open(os.path.join(local, n), "rb").read() for n in os.listdir(local)}
+    # A local Dataset reads in place, whatever cache it is given.
+    local_ds = Dataset(local, cache_dir=str(tmp_path / "cache"), cache_limit=1)
+    assert [r["label"] for r in local_ds.get_many(range(120))] == list(range(120))
+    local_ds.close()
+    # Even a cache pointed (wrongly) at the local dataset's folder evicts only its own files.
+    remote = source(ds, local, int(max(x.bytes for x in index.shards) * 1.5))
+    for info in index.shards:
+        read_and_release(remote, info)
+    assert remote.counters()["evictions"] == len(index.shards) - 1
+    after = {n: open(os.path.join(local, n), "rb").read() for n in before}
+    assert after == before
+    assert not os.path.exists(os.path.join(tmp_path, "cache", "data")) or cached_names(tmp_path / "cache") == set()
+
+
+def test_the_cache_limit_does_not_change_what_is_read(six_shards, tmp_path):
+    ds, index = six_shards
+    order = [(i * 37) % 120 for i in range(120)]
+    small = Dataset("file://" + ds, max_open_shards=1)  # local, for reference
+    reference = small.get_many(order)
+    for limit in (int(max(x.bytes for x in index.shards) * 1.2), "100MB"):
+        remote = source(ds, tmp_path / str(limit), limit)
+        got = []
+        for i in order:
+            shard, row = index.locate(i)
+            from shardloader.format.reader import open_shard
+
+            reader = open_shard(index.shards[shard], remote.local_path(index.shards[shard]))
+            got.append(reader.read(row))
+            reader.close()
+            remote.release(index.shards[shard])
+        assert [g["data"] for g in got] == [r["data"] for r in reference]
