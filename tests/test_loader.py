@@ -220,3 +220,14 @@ def test_record_detects_byte_differences(dataset_dir):
     assert a != b
     batch = next(iter(make(dataset_dir)))
     assert record(batch) == record(dict(batch))
+
+
+def test_thread_workers_never_close_a_reader_in_use(dataset_dir):
+    """With one open shard allowed per process, threads reading different shards at once must
+    not close each other's readers (a closed memory map would crash or return wrong bytes)."""
+    reference = take(make(dataset_dir), 30)
+    loader = Loader(Dataset(dataset_dir, max_open_shards=1), batch_size=8, seed=5,
+                    transform=noisy_crop, partitions=4, window=2, num_workers=3, worker_type="thread")
+    assert take(loader, 30) == reference
+    assert len(loader.dataset._readers) <= 1
+    loader.close()

@@ -7,11 +7,12 @@ Dataset pickles cheaply into worker processes (only the index and the source tra
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,7 @@ class Dataset:
         self._readers_lock = threading.RLock()
         self._pid = os.getpid()
         self._thread = threading.local()
+        self._in_use: Counter[int] = Counter()
 
     def shard_wait_seconds(self) -> float:
         """Seconds this thread has spent waiting for shard files to become available (download,
@@ -69,7 +71,7 @@ class Dataset:
     # -- pickling: only the description travels, never open files ------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_readers", "_readers_lock", "_pid", "_thread"):
+        for key in ("_readers", "_readers_lock", "_pid", "_thread", "_in_use"):
             state.pop(key, None)
         return state
 
@@ -86,7 +88,8 @@ class Dataset:
         if sample < 0:
             sample += len(self)
         shard, row = self.index.locate(sample)
-        record = self.reader(shard).read(row)
+        with self._using(shard) as reader:
+            record = reader.read(row)
         record[INDEX_FIELD] = sample
         return record
 
@@ -97,7 +100,8 @@ class Dataset:
         out: list[dict[str, Any] | None] = [None] * len(samples)
         for shard in np.unique(shards):
             positions = np.flatnonzero(shards == shard)
-            records = self.reader(int(shard)).read_rows(rows[positions].tolist())
+            with self._using(int(shard)) as reader:
+                records = reader.read_rows(rows[positions].tolist())
             for pos, record in zip(positions.tolist(), records):
                 record[INDEX_FIELD] = int(samples[pos])
                 out[pos] = record
@@ -105,28 +109,72 @@ class Dataset:
 
     # -- shard readers ------------------------------------------------------------------------
     def reader(self, shard: int) -> ShardReader:
-        """The open reader of shard `shard`, opening (and verifying) it on first use."""
+        """The open reader of shard `shard`, opening (and verifying) it on first use.
+
+        With thread workers, prefer `get_many`: it marks the reader in use so that no other
+        thread closes it while rows are being read."""
+        with self._using(shard) as reader:
+            return reader
+
+    @contextlib.contextmanager
+    def _using(self, shard: int) -> Iterator[ShardReader]:
+        """The reader of `shard`, protected from LRU closing while the block runs."""
         if os.getpid() != self._pid:
             self._reset_process_state()
+        reader = self._acquire(shard)
+        try:
+            yield reader
+        finally:
+            with self._readers_lock:
+                self._in_use[shard] -= 1
+                if not self._in_use[shard]:
+                    del self._in_use[shard]
+                self._close_idle_over_limit()
+
+    def _acquire(self, shard: int) -> ShardReader:
         with self._readers_lock:
             reader = self._readers.get(shard)
             if reader is not None:
                 self._readers.move_to_end(shard)
+                self._in_use[shard] += 1
                 return reader
-            info = self.index.shards[shard]
-            start = time.perf_counter()
-            try:
-                path = self.source.local_path(info)
-            finally:
-                waited = time.perf_counter() - start
-                self._thread.wait_seconds = getattr(self._thread, "wait_seconds", 0.0) + waited
+            # Close idle readers first, so a process pins at most max_open_shards shards.
+            self._close_idle_over_limit(room_for=1)
+        info = self.index.shards[shard]
+        start = time.perf_counter()
+        try:  # outside the lock: this may wait for a download
+            path = self.source.local_path(info)
+        finally:
+            waited = time.perf_counter() - start
+            self._thread.wait_seconds = getattr(self._thread, "wait_seconds", 0.0) + waited
+        try:
             reader = open_shard(info, path, self.index.schema)
-            self._readers[shard] = reader
-            while len(self._readers) > self.max_open_shards:
-                old_shard, old_reader = self._readers.popitem(last=False)
-                old_reader.close()
-                self.source.release(self.index.shards[old_shard])
+        except BaseException:
+            self.source.release(info)
+            raise
+        with self._readers_lock:
+            existing = self._readers.get(shard)
+            if existing is not None:  # another thread opened it meanwhile: keep one
+                reader.close()
+                self.source.release(info)
+                reader = existing
+            else:
+                self._readers[shard] = reader
+            self._readers.move_to_end(shard)
+            self._in_use[shard] += 1
             return reader
+
+    def _close_idle_over_limit(self, room_for: int = 0) -> None:
+        """Close least recently used readers that no thread is using (caller holds the lock)."""
+        excess = len(self._readers) + room_for - self.max_open_shards
+        for shard in list(self._readers):
+            if excess <= 0:
+                break
+            if self._in_use.get(shard):
+                continue
+            self._readers.pop(shard).close()
+            self.source.release(self.index.shards[shard])
+            excess -= 1
 
     def close(self) -> None:
         """Close every open reader of this process."""

@@ -233,6 +233,9 @@ class Loader:
         """Stop the workers. The loader can be iterated again (workers restart)."""
         self._generation += 1
         self._release_pool(force=True)
+        close = getattr(self.dataset, "close", None)
+        if close is not None:
+            close()  # drops this process's readers and their cache pins
 
     def __del__(self) -> None:
         try:
