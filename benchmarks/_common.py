@@ -1,0 +1,120 @@
+"""Small helpers shared by the benchmark scripts: timing, medians, tables, machine facts."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+
+def median_time(fn: Callable[[], object], repeats: int = 5) -> float:
+    """Median wall seconds of `fn()` over `repeats` runs."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A Markdown table."""
+    cells = [[str(c) for c in headers]] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(cells[0], widths)) + " |",
+             "| " + " | ".join("-" * w for w in widths) + " |"]
+    lines += ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells[1:]]
+    return "\n".join(lines)
+
+
+def _fmt(value: object) -> str:
+    if isinstance(value, float):
+        if value == 0 or abs(value) >= 100:
+            return f"{value:,.0f}"
+        if abs(value) >= 1:
+            return f"{value:.2f}"
+        return f"{value:.3g}"
+    return str(value)
+
+
+def machine() -> str:
+    return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def load_average() -> str:
+    """The 1-minute load average and the core count, to judge how busy the machine was."""
+    try:
+        one, five, _ = os.getloadavg()
+    except OSError:
+        return "load average unknown"
+    return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} cores"
+
+
+def median(values: Sequence[float]) -> float:
+    """The median, or NaN for no values."""
+    return statistics.median(values) if values else float("nan")
+
+
+def spread(values: Sequence[float]) -> str:
+    """`min-max` of the values, for a table cell."""
+    if not values:
+        return "-"
+    return f"{_fmt(min(values))}-{_fmt(max(values))}"
+
+
+def _children(pid: int) -> list[int]:
+    """Direct child processes of `pid` (Linux /proc; any thread may be the parent)."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _process_cpu(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds() -> dict[int, float]:
+    """CPU seconds used so far by each process in this process's tree (this one included),
+    keyed by pid. Subtract two snapshots to get what a loader and its workers used."""
+    seen: dict[int, float] = {}
+    todo = [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen[pid] = _process_cpu(pid)
+        todo += _children(pid)
+    seen[os.getpid()] = time.process_time()  # finer than clock ticks for this process
+    return seen
+
+
+def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds used between two `tree_cpu_seconds()` snapshots by processes alive at the end
+    (a process that started in between counts from zero)."""
+    return sum(t - before.get(pid, 0.0) for pid, t in after.items())
