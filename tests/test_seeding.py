@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-from shardloader.order.seeding import GlobalRngScope, sample_generator, sample_key
+from shardloader.order.seeding import GlobalRngScope, sample_generator, sample_key, sample_keys
 
 
 def test_sample_key_is_pure_and_distinguishes_inputs():
@@ -52,3 +52,9 @@ def test_numpy_seed_uses_all_64_key_bits():
         scope.seed(low | (1 << 40))
         b = np.random.rand()
     assert a != b
+
+
+def test_vectorised_sample_keys_equal_sample_key():
+    samples = np.array([0, 1, 7, 19_999, 2**40, 2**63 + 5, 2**64 - 1], dtype=np.uint64)
+    for seed, epoch in [(0, 0), (5, 3), (2**70 + 9, 2**65)]:
+        assert sample_keys(seed, epoch, samples) == [sample_key(seed, epoch, int(s)) for s in samples]

@@ -1,0 +1,94 @@
+"""Worker-to-loader batch transport through reused shared-memory slots: byte-exact, any
+structure, slots reused and grown, never blocking a worker."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import numpy as np
+import pytest
+import torch
+
+from shardloader.loader.slots import SlotReader, SlotWriter
+from tests.test_batches import assert_same
+
+
+@pytest.fixture()
+def pair():
+    returns = multiprocessing.get_context("fork").SimpleQueue()
+    writer = SlotWriter(returns)
+    reader = SlotReader([returns])
+    yield writer, reader
+    returns.close()
+
+
+def _batch(n: int = 4):
+    return {
+        "image": torch.arange(n * 6 * 5 * 3, dtype=torch.int64).to(torch.uint8).view(n, 6, 5, 3),
+        "label": torch.arange(n),
+        "flags": torch.tensor([True, False] * (n // 2)),
+        "bf16": torch.linspace(0, 1, n).to(torch.bfloat16),
+        "c128": torch.arange(n, dtype=torch.float64) * 1j,
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros((0, 7)),
+        "strided": torch.arange(24.0).view(4, 6)[:, ::2],
+        "names": [f"n{i}" for i in range(n)],
+        "array": np.arange(n, dtype=np.float32),
+        "nested": ({"t": torch.ones(2, 2)}, [torch.zeros(1, dtype=torch.int16), "x"]),
+        "grad": torch.ones(2, requires_grad=True),
+    }
+
+
+def test_roundtrip_is_exact_for_any_structure(pair):
+    writer, reader = pair
+    batch = _batch()
+    packed = writer.pack(batch)
+    assert packed.slot is not None and packed.new_slots
+    out = reader.unpack(0, packed, wanted=True)
+    grad_in, grad_out = batch.pop("grad"), out.pop("grad")
+    np.testing.assert_array_equal(out.pop("array"), batch.pop("array"))
+    assert_same(out, batch)
+    assert grad_out.requires_grad and torch.equal(grad_out.detach(), grad_in.detach())
+
+
+def test_unpacked_batch_owns_its_memory_and_the_slot_is_reused(pair):
+    writer, reader = pair
+    first = reader.unpack(0, writer.pack({"x": torch.full((1000,), 1.0)}), wanted=True)
+    packed = writer.pack({"x": torch.full((1000,), 2.0)})
+    assert packed.slot == 0 and not packed.new_slots  # the same slot, nothing new sent
+    second = reader.unpack(0, packed, wanted=True)
+    assert torch.equal(first["x"], torch.full((1000,), 1.0))  # not overwritten by the reuse
+    assert torch.equal(second["x"], torch.full((1000,), 2.0))
+
+
+def test_a_larger_batch_gets_a_larger_slot_and_retires_the_small_one(pair):
+    writer, reader = pair
+    reader.unpack(0, writer.pack({"x": torch.zeros(10)}), wanted=True)
+    big = torch.arange(2_000_000, dtype=torch.int32)  # 8 MB, more than the first slot
+    packed = writer.pack({"x": big})
+    assert packed.retired == (0,) and list(packed.new_slots) == [1]
+    assert torch.equal(reader.unpack(0, packed, wanted=True)["x"], big)
+    assert len(reader._slots) == 1
+
+
+def test_a_worker_never_waits_for_a_slot(pair):
+    """Slots not yet given back: the worker makes another one instead of blocking."""
+    writer, reader = pair
+    packed = [writer.pack({"x": torch.full((5,), float(i))}) for i in range(3)]
+    assert [p.slot for p in packed] == [0, 1, 2]
+    for i, p in enumerate(packed):
+        assert torch.equal(reader.unpack(0, p, wanted=True)["x"], torch.full((5,), float(i)))
+    assert writer.pack({"x": torch.zeros(5)}).slot in (0, 1, 2)
+
+
+def test_a_discarded_batch_still_gives_its_slot_back(pair):
+    writer, reader = pair
+    assert reader.unpack(0, writer.pack({"x": torch.ones(3)}), wanted=False) is None
+    assert writer.pack({"x": torch.ones(3)}).slot == 0
+
+
+def test_a_batch_without_tensors_travels_as_it_is(pair):
+    writer, reader = pair
+    packed = writer.pack(["a", 1, None])
+    assert packed.slot is None
+    assert reader.unpack(0, packed, wanted=True) == ["a", 1, None]
