@@ -104,3 +104,19 @@ def test_a_missing_remote_shard_is_a_clear_error(dataset_dir, s3_server, s3_url,
                  storage_options=s3_server.storage_options())
     with pytest.raises(FetchError, match=rf"{url}/shard-00002.arrow: not found"):
         ds.get_many([80])
+
+
+@pytest.mark.parametrize("workers,kind", [(0, "process"), (2, "process"), (2, "thread")])
+def test_telemetry_counts_every_downloaded_byte_once(dataset_dir, http_server, tmp_path, workers, kind):
+    """Prefetcher downloads (training process) and worker downloads add up to the dataset:
+    one cold epoch downloads each shard once, and the per-batch records say so exactly."""
+    url = http_server(dataset_dir).url
+    total = sum(os.path.getsize(os.path.join(dataset_dir, f)) for f in os.listdir(dataset_dir)
+                if f.endswith(".arrow"))
+    cold = loader(url, tmp_path / "cache", num_workers=workers, worker_type=kind, tail="partial")
+    batches = list(cold)
+    stats = cold.stats()
+    cold.close()
+    assert len(batches) == len(cold)
+    assert stats["bytes_downloaded"] == total
+    assert stats["download_wait_seconds_total"] <= stats["wall_seconds"] * max(1, workers)

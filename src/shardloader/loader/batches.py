@@ -87,19 +87,27 @@ class BatchProducer:
         self._pass_generator = accepts_generator(transform)
         self._seed_globals = uses_global_rng(transform)
 
+    #: Set in a worker process: its cache counters then belong to the batches it produces.
+    #: In the training process (num_workers=0, or threads) the Loader takes the process-wide
+    #: counters itself, once per delivered batch, so nothing is counted twice.
+    report_cache_counters = False
+
     def __call__(self, task: BatchTask) -> tuple[Any, BatchTimings]:
         timings = BatchTimings()
-        counters = getattr(self.dataset.source, "counters", None)
+        counters = getattr(self.dataset.source, "counters", None) if self.report_cache_counters else None
         before = counters() if counters else None
+        shard_wait = getattr(self.dataset, "shard_wait_seconds", None)
+        wait_before = shard_wait() if shard_wait else 0.0
         t0 = time.perf_counter()
         records = self.dataset.get_many(task.samples)
         t1 = time.perf_counter()
-        timings.read_seconds = t1 - t0
+        # Waiting for shard files (a download, another process's download, verification) is
+        # measured by this thread alone, so prefetch threads' downloads never inflate it.
+        if shard_wait:
+            timings.download_wait_seconds = shard_wait() - wait_before
+        timings.read_seconds = max(0.0, t1 - t0 - timings.download_wait_seconds)
         if before is not None:
             after = counters()
-            timings.download_wait_seconds = after.get("wait_seconds", 0.0) - before.get("wait_seconds", 0.0)
-            timings.download_wait_seconds += after.get("download_seconds", 0.0) - before.get("download_seconds", 0.0)
-            timings.read_seconds = max(0.0, timings.read_seconds - timings.download_wait_seconds)
             for name in ("cache_hits", "cache_misses", "bytes_downloaded"):
                 setattr(timings, name, int(after.get(name, 0) - before.get(name, 0)))
         if self.transform is not None:

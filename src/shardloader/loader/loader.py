@@ -371,11 +371,11 @@ class _EpochIterator:
             loader.telemetry.on_batch(record)
 
     def _local_counter_delta(self) -> dict[str, float]:
-        """Cache counters of this (the training) process since the last batch: the prefetcher's
-        downloads happen here. With num_workers=0 the batch's own reads are here too, and were
-        already counted in its timings, so only worker pools add this process's counters."""
+        """Cache counters of this (the training) process since the last delivered batch: the
+        prefetcher's downloads, and with num_workers=0 or thread workers the reads too. Worker
+        processes report their own counters with each batch."""
         counters = getattr(self.loader.dataset.source, "counters", None)
-        if counters is None or self.loader.num_workers == 0 or self.loader.worker_type == "thread":
+        if counters is None:
             return {}
         now = counters()
         before, self._counters_seen = getattr(self, "_counters_seen", None), now
