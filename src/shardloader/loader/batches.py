@@ -27,13 +27,16 @@ Transform = Callable[..., dict[str, Any]]
 
 @dataclass(frozen=True)
 class BatchTask:
-    """One batch to produce: `samples` are global sample indices in output order."""
+    """One batch to produce: `samples` are global sample indices in output order, or None to
+    let the producer compute them from (epoch, step) with its StepPlan (off the training
+    thread). `size` is the number of samples either way."""
 
     task_id: int
     epoch: int
     step: int
-    samples: np.ndarray
+    samples: np.ndarray | None
     padded: int = 0
+    size: int = -1
 
 
 @dataclass
@@ -91,6 +94,8 @@ class BatchProducer:
     #: In the training process (num_workers=0, or threads) the Loader takes the process-wide
     #: counters itself, once per delivered batch, so nothing is counted twice.
     report_cache_counters = False
+    #: The Loader's StepPlan, for tasks that carry (epoch, step) instead of samples.
+    plan: Any = None
 
     def __call__(self, task: BatchTask) -> tuple[Any, BatchTimings]:
         timings = BatchTimings()
@@ -99,7 +104,12 @@ class BatchProducer:
         shard_wait = getattr(self.dataset, "shard_wait_seconds", None)
         wait_before = shard_wait() if shard_wait else 0.0
         t0 = time.perf_counter()
-        records = self.dataset.get_many(task.samples)
+        samples = task.samples
+        if samples is None:
+            if self.plan is None:
+                raise ValueError(f"batch task {task.task_id} has no samples and the producer no StepPlan")
+            samples = self.plan.samples(task.epoch, task.step)
+        records = self.dataset.get_many(samples)
         t1 = time.perf_counter()
         # Waiting for shard files (a download, another process's download, verification) is
         # measured by this thread alone, so prefetch threads' downloads never inflate it.
@@ -111,7 +121,7 @@ class BatchProducer:
             for name in ("cache_hits", "cache_misses", "bytes_downloaded"):
                 setattr(timings, name, int(after.get(name, 0) - before.get(name, 0)))
         if self.transform is not None:
-            records = self._transform_all(task, records)
+            records = self._transform_all(task, records, samples)
         batch = self.collate_fn(records)
         timings.transform_seconds = time.perf_counter() - t1
         return batch, timings
@@ -139,11 +149,11 @@ class BatchProducer:
         except Exception:  # noqa: BLE001 - an optimisation only; workers raise the real error
             pass
 
-    def _transform_all(self, task: BatchTask, records: list[dict[str, Any]]) -> list[Any]:
+    def _transform_all(self, task: BatchTask, records: list[dict[str, Any]], samples: np.ndarray) -> list[Any]:
         out = []
         transform = self.transform
         assert transform is not None
-        keys = sample_keys(self.seed, task.epoch, task.samples)  # records are in task order
+        keys = sample_keys(self.seed, task.epoch, samples)  # records are in task order
         # One generator per batch, re-seeded for each sample: the same draws as a fresh
         # generator per sample (`sample_generator`), without allocating 64 of them.
         generator = torch.Generator() if self._pass_generator else None

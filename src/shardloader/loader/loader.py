@@ -25,6 +25,7 @@ import numpy as np
 
 from shardloader.errors import StateError
 from shardloader.loader.batches import BatchProducer, BatchTask, BatchTimings, Transform, pin
+from shardloader.loader.plan import StepPlan
 from shardloader.loader.state import fingerprint_differences, make_state, validate_state
 from shardloader.loader.workers import make_pool
 from shardloader.order.partition import (
@@ -111,13 +112,15 @@ class Loader:
         self.transform = transform
         self.transform_version = transform_version
         self.telemetry = telemetry
+        self._plan = StepPlan(np.diff(dataset.index.sample_offsets), self.seed, self.settings, self.rank,
+                              self.world_size, self.global_batch_size, self.tail)
         self._producer = BatchProducer(dataset, seed=self.seed, transform=transform, collate_fn=collate_fn)
+        self._producer.plan = self._plan
         self._mp_context = multiprocessing_context
         self._timeout = timeout
         self._pool: Any = None
         self._epoch = 0
         self._position = 0  # global positions consumed in the current epoch
-        self._order_cache: tuple[int, EpochOrder] | None = None
         self._next_task_id = 0
         self._generation = 0
         self._stats = _make_stats()
@@ -147,16 +150,11 @@ class Loader:
 
     # -- order --------------------------------------------------------------------------------
     def epoch_order(self, epoch: int) -> EpochOrder:
-        if self._order_cache is None or self._order_cache[0] != epoch:
-            sizes = np.diff(self.dataset.index.sample_offsets)
-            self._order_cache = (epoch, EpochOrder(sizes, self.seed, epoch, self.settings))
-        return self._order_cache[1]
+        return self._plan.order(epoch)
 
     def step_samples(self, epoch: int, step: int, rank: int | None = None) -> np.ndarray:
         """Global sample indices of `rank`'s batch at `step` of `epoch` (no data is read)."""
-        rank = self.rank if rank is None else rank
-        positions = step_positions(step, rank, self.world_size, self.global_batch_size, self.num_samples, self.tail)
-        return self.epoch_order(epoch).samples_at(positions)
+        return self._plan.samples(epoch, step, rank)
 
     # -- epochs and state ---------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -279,14 +277,16 @@ class _EpochIterator:
         while self.to_submit < self.steps:
             step = self.to_submit
             self.to_submit += 1
-            samples = loader.step_samples(self.epoch, step)
-            if samples.size == 0:  # tail="partial": nothing falls to this rank
+            size = loader._plan.positions(step).size
+            if size == 0:  # tail="partial": nothing falls to this rank
                 continue
             first = step * loader.global_batch_size
             padded = int(np.count_nonzero(
                 np.arange(first + loader.rank, first + loader.global_batch_size, loader.world_size)
                 >= loader.num_samples)) if loader.tail == "pad" else 0
-            task = BatchTask(loader._new_task_id(), self.epoch, step, samples, padded)
+            # With workers, the order is computed in the worker; inline, here (same thread).
+            samples = None if loader.num_workers > 0 else loader.step_samples(self.epoch, step)
+            task = BatchTask(loader._new_task_id(), self.epoch, step, samples, padded, size)
             self.pool.submit(task)
             self.in_flight.append(task)
             return
@@ -353,7 +353,7 @@ class _EpochIterator:
             step=self.epoch * self.steps + task.step + 1,
             epoch=self.epoch,
             rank=loader.rank,
-            samples=int(task.samples.size),
+            samples=task.size,
             fetch_seconds=fetch_seconds,
             time=time.time(),
             read_seconds=timings.read_seconds,
