@@ -49,10 +49,12 @@ def main() -> None:
     parts = [f"# Benchmark results\n\nRun {now} on {machine()}.\n"
              "Figures are medians of repeats; compare the ratios measured in the same run.\n"]
     env = {**os.environ, "PYTHONPATH": ROOT}
+    bench_python = os.path.join(ROOT, ".venv-bench", "bin", "python")  # peers live there
     for name in names:
         print(f"== {name}", flush=True)
+        python = bench_python if name == "peers" and os.path.exists(bench_python) else sys.executable
         start = time.perf_counter()
-        proc = subprocess.run([sys.executable, *BENCHMARKS[name]], cwd=ROOT, env=env,
+        proc = subprocess.run([python, *BENCHMARKS[name]], cwd=ROOT, env=env,
                               capture_output=True, text=True)
         seconds = time.perf_counter() - start
         print(proc.stdout[-4000:], proc.stderr[-2000:] if proc.returncode else "", flush=True)

@@ -88,12 +88,10 @@ def same_state(a: dict, b: dict) -> tuple[bool, int]:
     return walk(a, b), count
 
 
-def torch_save_seconds(path: str, out: str) -> float:
-    """Blocking time of the usual way: torch.save of the same state, then fsync."""
-    state = torch.load(path, weights_only=True)
-    target = os.path.join(out, "torch-save.pt")
+def torch_save_seconds(state: dict, target: str, repeats: int = 5) -> float:
+    """Median blocking time of the usual way: torch.save of `state`, then fsync."""
     times = []
-    for _ in range(3):
+    for _ in range(repeats):
         start = time.perf_counter()
         with open(target, "wb") as f:
             torch.save(state, f)
@@ -101,36 +99,28 @@ def torch_save_seconds(path: str, out: str) -> float:
             os.fsync(f.fileno())
         times.append(time.perf_counter() - start)
     os.remove(target)
-    return sorted(times)[1]
+    return sorted(times)[repeats // 2]
 
 
-def blocking_at_scale(out: str, mib: int = 256) -> tuple[float, float]:
+def blocking_at_scale(out: str, mib: int = 256, repeats: int = 5) -> tuple[float, float]:
     """Median blocking seconds of Checkpointer.save vs torch.save+fsync for a model-like state
     of `mib` MiB: the demo's own model is too small for the difference to show."""
     from shardloader.checkpoint import Checkpointer
 
-    state = {f"layer{i}.weight": torch.randn(mib // 16, 1024, 1024 // 4) for i in range(16)}
+    state = {f"layer{i}_weight": torch.randn(mib // 16, 1024, 256) for i in range(16)}  # 16 MiB each
     model = torch.nn.Module()
     for name, tensor in state.items():
-        model.register_buffer(name.replace(".", "_"), tensor)
-    ours, theirs = [], []
+        model.register_buffer(name, tensor)
+    ours = []
     with Checkpointer(os.path.join(out, "checkpoints-scale"), keep=1) as ckpt:
-        for step in range(1, 6):
+        for step in range(1, repeats + 1):
             start = time.perf_counter()
             ckpt.save(step, model=model)
             ours.append(time.perf_counter() - start)
             ckpt.wait()
-    target = os.path.join(out, "torch-save-scale.pt")
-    for _ in range(5):
-        start = time.perf_counter()
-        with open(target, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        theirs.append(time.perf_counter() - start)
-    os.remove(target)
     shutil.rmtree(os.path.join(out, "checkpoints-scale"), ignore_errors=True)
-    return sorted(ours)[2], sorted(theirs)[2]
+    theirs = torch_save_seconds(state, os.path.join(out, "torch-save-scale.pt"), repeats)
+    return sorted(ours)[repeats // 2], theirs
 
 
 def prepare_mlflow(out: str) -> str:
@@ -192,7 +182,7 @@ def main() -> None:
     loader_stats = summary.get("loader", {})
     ckpt_stats = summary.get("checkpoint", {})
     blocking = ckpt_stats.get("last", {}).get("blocking_s")
-    baseline = torch_save_seconds(os.path.join(out, "final-reference.pt"), out)
+    baseline = torch_save_seconds(reference, os.path.join(out, "torch-save.pt"))
     scale_ours, scale_torch = blocking_at_scale(out)
 
     print("\n== summary", flush=True)
