@@ -34,7 +34,6 @@ from shardloader.order.partition import (
     dropped_samples,
     epoch_length,
     padded_samples,
-    step_positions,
     steps_per_epoch,
 )
 from shardloader.order.shuffle import (
@@ -300,12 +299,10 @@ class _EpochIterator:
     def _shards_ahead(self) -> Iterator[Any]:
         """Shards this rank will read, in order of need, from the current step on."""
         loader = self.loader
-        order = EpochOrder(np.diff(loader.dataset.index.sample_offsets), loader.seed, self.epoch, loader.settings)
+        plan = loader._plan
         recent: dict[int, None] = {}
         for step in range(self.next_step, self.steps):
-            positions = step_positions(step, loader.rank, loader.world_size, loader.global_batch_size,
-                                       loader.num_samples, loader.tail)
-            shards = order.shards_of(order.samples_at(positions))
+            shards = plan.order(self.epoch).shards_of(plan.samples(self.epoch, step))
             _, first = np.unique(shards, return_index=True)
             for shard in shards[np.sort(first)].tolist():
                 if shard not in recent:
