@@ -559,12 +559,7 @@ class Checkpointer:
     def _read_tensors(self, entry: Entry, name: str) -> dict[str, torch.Tensor]:
         file_entry = entry.manifest.files[name]
         url = self._store.url_of(f"{entry.id}/{name}")
-        try:
-            size = self._store.size(entry.id, name)
-        except FileNotFoundError:
-            raise CheckpointError(f"{url}: file listed in the manifest is missing") from None
-        if size != file_entry.bytes:
-            raise CheckpointError(f"{url}: file is {size} bytes, the manifest records {file_entry.bytes}")
+        size = self._store.checked_size(entry.id, name, file_entry)
         algorithm, _ = parse_checksum(file_entry.checksum)
         hasher = new_hasher(algorithm)
         try:
@@ -572,9 +567,7 @@ class Checkpointer:
                 tensors = read_tensor_file(f, size=size, hasher=hasher, source=url)
         except CheckpointError as exc:
             raise CheckpointError(f"{exc} (checkpoint does not verify)") from None
-        actual = f"{algorithm}:{hasher.hexdigest()}"
-        if actual != file_entry.checksum:
-            raise CheckpointError(f"{url}: checksum {actual} does not match the manifest ({file_entry.checksum})")
+        self._store.check_digest(url, algorithm, hasher, file_entry)
         return tensors
 
     def _restore(self, entry: Entry, name: str, state: dict[str, Any], model: Any,

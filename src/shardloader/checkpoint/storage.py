@@ -88,8 +88,8 @@ class Store:
     def size(self, ckpt_id: str, name: str) -> int:
         raise NotImplementedError
 
-    def read_verified(self, ckpt_id: str, name: str, entry: FileEntry) -> torch.Tensor:
-        """The file's bytes as a uint8 tensor, hashed while read; raise unless they match."""
+    def checked_size(self, ckpt_id: str, name: str, entry: FileEntry) -> int:
+        """The file's size; raise CheckpointError unless it exists with the manifest's size."""
         url = self.url_of(f"{ckpt_id}/{name}")
         try:
             size = self.size(ckpt_id, name)
@@ -97,6 +97,19 @@ class Store:
             raise CheckpointError(f"{url}: file listed in the manifest is missing") from None
         if size != entry.bytes:
             raise CheckpointError(f"{url}: file is {size} bytes, the manifest records {entry.bytes}")
+        return size
+
+    @staticmethod
+    def check_digest(url: str, algorithm: str, hasher: Any, entry: FileEntry) -> None:
+        """Raise CheckpointError unless what `hasher` saw hashes to the manifest's checksum."""
+        actual = f"{algorithm}:{hasher.hexdigest()}"
+        if actual != entry.checksum:
+            raise CheckpointError(f"{url}: checksum {actual} does not match the manifest ({entry.checksum})")
+
+    def read_verified(self, ckpt_id: str, name: str, entry: FileEntry) -> torch.Tensor:
+        """The file's bytes as a uint8 tensor, hashed while read; raise unless they match."""
+        url = self.url_of(f"{ckpt_id}/{name}")
+        self.checked_size(ckpt_id, name, entry)
         algorithm, _ = parse_checksum(entry.checksum)
         hasher = new_hasher(algorithm)
         buffer = torch.empty(entry.bytes, dtype=torch.uint8)
@@ -111,28 +124,18 @@ class Store:
                 done += n
         if done != entry.bytes:
             raise CheckpointError(f"{url}: read {done} bytes, the manifest records {entry.bytes}")
-        actual = f"{algorithm}:{hasher.hexdigest()}"
-        if actual != entry.checksum:
-            raise CheckpointError(f"{url}: checksum {actual} does not match the manifest ({entry.checksum})")
+        self.check_digest(url, algorithm, hasher, entry)
         return buffer
 
     def verify(self, ckpt_id: str, name: str, entry: FileEntry) -> None:
         """Raise CheckpointError unless the file has the manifest's size and checksum."""
-        url = self.url_of(f"{ckpt_id}/{name}")
-        try:
-            size = self.size(ckpt_id, name)
-        except FileNotFoundError:
-            raise CheckpointError(f"{url}: file listed in the manifest is missing") from None
-        if size != entry.bytes:
-            raise CheckpointError(f"{url}: file is {size} bytes, the manifest records {entry.bytes}")
+        self.checked_size(ckpt_id, name, entry)
         algorithm, _ = parse_checksum(entry.checksum)
         hasher = new_hasher(algorithm)
         with self.open(ckpt_id, name) as f:
             while chunk := f.read(CHUNK):
                 hasher.update(chunk)
-        actual = f"{algorithm}:{hasher.hexdigest()}"
-        if actual != entry.checksum:
-            raise CheckpointError(f"{url}: checksum {actual} does not match the manifest ({entry.checksum})")
+        self.check_digest(self.url_of(f"{ckpt_id}/{name}"), algorithm, hasher, entry)
 
 
 class LocalStore(Store):
