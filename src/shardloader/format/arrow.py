@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from shardloader.errors import ShardError, ShardloaderError
 from shardloader.format.index import ShardInfo
+from shardloader.format.reader import memory_map_shard
 from shardloader.format.schema import BatchRows, check_shard, gather_rows, schema_names
 
 
@@ -29,12 +30,7 @@ class ArrowShardReader:
     def __init__(self, path: str, info: ShardInfo, schema: Mapping[str, str] | None = None) -> None:
         self.path = path
         self.info = info
-        try:
-            self._map = pa.memory_map(path, "r")
-        except FileNotFoundError:
-            raise ShardError(f"{path}: shard file is missing (listed as {info.path!r})") from None
-        except OSError as e:
-            raise ShardError(f"{path}: cannot open shard ({e})") from None
+        self._map = memory_map_shard(path, info)
         try:
             reader = pa.ipc.open_file(self._map)
             batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 
 from shardloader.errors import ShardError, ShardloaderError
 from shardloader.format.index import ShardInfo
+from shardloader.format.reader import memory_map_shard
 from shardloader.format.schema import BatchRows, check_shard, gather_rows, schema_names
 
 
@@ -37,12 +38,7 @@ class ParquetShardReader:
         self.path = path
         self.info = info
         self.cache_bytes = cache_bytes
-        try:
-            self._source = pa.memory_map(path, "r")
-        except FileNotFoundError:
-            raise ShardError(f"{path}: shard file is missing (listed as {info.path!r})") from None
-        except OSError as e:
-            raise ShardError(f"{path}: cannot open shard ({e})") from None
+        self._source = memory_map_shard(path, info)
         try:
             self._file = pq.ParquetFile(self._source)
             meta = self._file.metadata

@@ -27,6 +27,20 @@ class ShardReader(Protocol):
     def close(self) -> None: ...
 
 
+def memory_map_shard(path: str, info: ShardInfo) -> Any:
+    """A read-only pyarrow memory map of a shard file, or a ShardError naming the file."""
+    import pyarrow as pa
+
+    from shardloader.errors import ShardError
+
+    try:
+        return pa.memory_map(path, "r")
+    except FileNotFoundError:
+        raise ShardError(f"{path}: shard file is missing (listed as {info.path!r})") from None
+    except OSError as e:
+        raise ShardError(f"{path}: cannot open shard ({e})") from None
+
+
 def open_shard(
     info: ShardInfo, local_path: str, schema: Mapping[str, str] | None = None
 ) -> ShardReader:
