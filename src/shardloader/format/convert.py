@@ -209,7 +209,6 @@ def tar_source(paths: list[str]) -> Source:
 def dataset_source(root: str) -> Source:
     """Samples of an existing shardloader dataset, to re-shard it."""
     from shardloader.dataset import Dataset
-
     from shardloader.source import load_index
 
     dataset = Dataset(root, decode=scalar_fields(load_index(root).schema))
