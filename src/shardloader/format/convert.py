@@ -157,6 +157,17 @@ def image_folder_source(root: str, *, allow_empty: bool = False) -> Source:
     return source
 
 
+def _writable(schema: dict[str, str]) -> dict[str, str] | None:
+    """`schema` if the writer can store every field type, else None (the writer then infers
+    types and names the first value it cannot store)."""
+    try:
+        for type_name in schema.values():
+            arrow_type(type_name)
+    except SchemaError:
+        return None
+    return schema
+
+
 def parquet_source(paths: list[str]) -> Source:
     """Rows of Parquet files, in file then row order; types kept when the writer can store them."""
     schema: dict[str, str] | None = None
@@ -170,12 +181,7 @@ def parquet_source(paths: list[str]) -> Source:
             check_schema(names, schema, where=f"{path} and {paths[0]} have different schemas")
         count += meta.metadata.num_rows
     assert schema is not None
-    try:
-        for type_name in schema.values():
-            arrow_type(type_name)
-        writable: dict[str, str] | None = schema
-    except SchemaError:
-        writable = None  # let the writer name the first value it cannot store
+    writable = _writable(schema)
 
     def samples() -> Iterator[dict[str, Any]]:
         for path in paths:
@@ -207,18 +213,24 @@ def tar_source(paths: list[str]) -> Source:
 
 
 def dataset_source(root: str) -> Source:
-    """Samples of an existing shardloader dataset, to re-shard it."""
+    """Samples of an existing shardloader dataset, to re-shard it, keeping the index's field
+    types (a tar dataset's scalar fields are decoded, see the module docstring)."""
     from shardloader.dataset import Dataset
     from shardloader.source import load_index
 
     dataset = Dataset(root, decode=scalar_fields(load_index(root).schema))
+    tar = any(s.format == "tar" for s in dataset.index.shards)
+    writable: dict[str, str] | None = None if tar else _writable(dict(dataset.index.schema))
 
     def samples() -> Iterator[dict[str, Any]]:
         for start in range(0, len(dataset), 256):
-            yield from dataset.get_many(range(start, min(start + 256, len(dataset))))
+            for i, record in enumerate(dataset.get_many(range(start, min(start + 256, len(dataset))))):
+                source.where[0] = f"{root} sample {start + i}"
+                yield record
         dataset.close()
 
-    return Source("shardloader", samples, len(dataset))
+    source = Source("shardloader", samples, len(dataset), writable)
+    return source
 
 
 def detect_source(src: str, *, allow_empty: bool = False) -> Source:
