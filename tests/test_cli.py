@@ -257,6 +257,8 @@ def test_wrong_dataset_root_errors_give_the_command(arrow_dataset, tar_dataset, 
     assert f"`shardloader index {arrow_dataset.path}`" in capsys.readouterr().err
     assert main(["index", image_folder.path]) == 1
     assert f"run `shardloader convert {image_folder.path} OUT_DIR`" in capsys.readouterr().err
+    assert main(["convert", index_json, str(tmp_path / "x")]) == 1
+    assert f"`shardloader convert {arrow_dataset.path} DST`" in capsys.readouterr().err
     assert main(["index", arrow_dataset.path]) == 1
     assert f"already holds a shardloader dataset: `shardloader inspect {arrow_dataset.path}`" in \
         capsys.readouterr().err

@@ -96,14 +96,23 @@ def test_raw_bytes_one_switch_away(wds_folder):
         Dataset(wds_folder, decode=["label"])
 
 
-def test_cls_labels_collate_to_int_batches(wds_folder):
-    loader = Loader(Dataset(wds_folder), batch_size=8, shuffle=False, num_workers=0,
-                    transform=lambda s: {"cls": s["cls"], "__index__": s["__index__"]})
-    batches = list(loader)
+def _labels_only(sample: dict) -> dict:
+    return {"cls": sample["cls"], "txt": sample["txt"], "__index__": sample["__index__"]}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_cls_labels_collate_to_int_batches(wds_folder, workers):
+    loader = Loader(Dataset(wds_folder), batch_size=8, shuffle=False, num_workers=workers,
+                    transform=_labels_only)
+    try:
+        batches = list(loader)
+    finally:
+        loader.close()
     labels = torch.cat([b["cls"] for b in batches])
     assert labels.dtype == torch.int64
     assert labels.tolist() == [(s * 100 + i) % 7 for s in range(2) for i in range(12)]
-    loader.close()
+    assert [t for b in batches for t in b["txt"]] == \
+        [f"caption {s * 100 + i} — ünïcode" for s in range(2) for i in range(12)]
 
 
 def test_decoding_is_deterministic_and_pure():

@@ -241,6 +241,14 @@ def detect_source(src: str, *, allow_empty: bool = False) -> Source:
             return parquet_source([src])
         if src.endswith(".tar"):
             return tar_source([src])
+        folder = os.path.dirname(os.path.abspath(src))
+        if os.path.basename(src) == INDEX_NAME or (
+            src.endswith(".arrow") and os.path.exists(os.path.join(folder, INDEX_NAME))
+        ):
+            raise ShardloaderError(
+                f"{src}: part of a shardloader dataset; to re-shard it, convert the dataset "
+                f"folder: `shardloader convert {folder} DST`"
+            )
         raise ShardloaderError(f"{src}: cannot convert this file (expected .parquet or .tar)")
     if not os.path.isdir(src):
         raise ShardloaderError(f"{src}: no such file or directory")
