@@ -18,7 +18,7 @@ from PIL import Image
 
 from shardloader import Dataset, Loader
 from shardloader.cli.main import main
-from shardloader.errors import SchemaError
+from shardloader.errors import SchemaError, ShardloaderError
 from shardloader.format.convert import convert
 from shardloader.format.indexer import index_dataset
 from shardloader.format.schema import arrow_type, parse_struct_type, type_name
@@ -148,6 +148,13 @@ def test_hf_parquet_survives_convert(hf_dataset, tmp_path):
     convert(tmp_path / "arrow", tmp_path / "again", progress=False)
     again = Dataset(tmp_path / "again").get_many(range(len(rows)))
     assert [r["image"] for r in again] == [r["image"] for r in rows]
+
+
+def test_struct_column_to_tar_is_refused_naming_the_field(hf_dataset, tmp_path):
+    root, _ = hf_dataset
+    with pytest.raises(ShardloaderError, match=r"field 'image' is a struct<bytes: binary, path: string>"):
+        convert(root, tmp_path / "tar", progress=False, format="tar")
+    assert not (tmp_path / "tar").exists()
 
 
 def test_convert_unstorable_value_names_the_file(tmp_path):

@@ -284,6 +284,14 @@ def convert(
     source = detect_source(src, allow_empty=allow_empty)
     if source.schema is not None:
         writer_options.setdefault("schema", source.schema)
+        if writer_options.get("format") == "tar":
+            for name, type_name in source.schema.items():
+                if type_name.startswith("struct<"):
+                    raise ShardloaderError(
+                        f"{src}: field {name!r} is a {type_name}, which a tar member (one "
+                        "encoded value) cannot hold; write Arrow shards (format 'arrow', the "
+                        "default) to keep it"
+                    )
     samples: Iterable[dict[str, Any]] = _Sized(source.samples, source.count)
     try:
         index = write_shards(samples, dst, progress=progress, **writer_options)
