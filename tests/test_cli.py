@@ -128,3 +128,137 @@ def test_bad_arguments_exit_2(capsys):
         main(["convert", "a", "b", "--shard-bytes", "lots"])
     assert exc.value.code == 2
     assert "'lots' is not a size" in capsys.readouterr().err
+
+
+def _all_subcommand_paths() -> list[list[str]]:
+    """Every subcommand, and every action of a subcommand that has actions (`cache verify`)."""
+    import argparse
+
+    from shardloader.cli.main import build_parser
+
+    def walk(parser: argparse.ArgumentParser, prefix: list[str]) -> list[list[str]]:
+        found = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found.append([*prefix, name])
+                    found += walk(sub, [*prefix, name])
+        return found
+
+    return walk(build_parser(), [])
+
+
+def test_every_subcommand_has_a_help_description(capsys):
+    paths = _all_subcommand_paths()
+    assert {"convert", "index", "inspect", "verify", "cache"} <= {p[0] for p in paths}
+    assert ["cache", "prune"] in paths
+    for path in paths:
+        with pytest.raises(SystemExit) as exc:
+            main([*path, "--help"])
+        assert exc.value.code == 0
+        out = capsys.readouterr().out
+        usage, _, rest = out.partition("\n\n")
+        assert usage.startswith("usage: shardloader " + " ".join(path)), out
+        description = rest.split("\n\n", 1)[0]
+        # a description paragraph, not straight into the argument list
+        assert not description.startswith(("positional arguments", "options")), (path, out)
+        assert len(description.split()) >= 6, (path, description)
+
+
+def _run_on_tty(*args: str) -> tuple[int, str]:
+    """Run the console script with stderr on a pseudo-terminal; (exit status, stderr text)."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+    import time
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24x100 chars
+    proc = subprocess.Popen([SCRIPT, *args], stdout=subprocess.DEVNULL, stderr=follower)
+    os.close(follower)
+    chunks = []
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], 1.0)
+            if ready:
+                try:
+                    data = os.read(leader, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            elif proc.poll() is not None:
+                break
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(leader)
+    return code, b"".join(chunks).decode(errors="replace")
+
+
+def test_index_and_verify_show_progress_on_a_terminal_only(tar_dataset, tmp_path):
+    root = copy_dataset(tar_dataset, tmp_path / "t")
+    for name in os.listdir(root):
+        if not name.endswith(".tar"):
+            os.remove(os.path.join(root, name))
+    code, err = _run_on_tty("index", root)
+    assert code == 0 and f"indexing {root}" in err and "3/3" in err
+    code, err = _run_on_tty("verify", root)
+    assert code == 0 and f"verifying {root}" in err
+    code, err = _run_on_tty("verify", root, "--quiet")
+    assert code == 0 and "verifying" not in err
+    done = _run("verify", root)  # stderr is a pipe: no bar
+    assert done.returncode == 0 and done.stderr == ""
+    done = _run("index", root)
+    assert done.returncode == 0 and done.stderr == ""
+
+
+def test_existing_output_names_overwrite(image_folder, tmp_path, capsys):
+    assert main(["convert", image_folder.path, str(tmp_path / "o"), "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["convert", image_folder.path, str(tmp_path / "o"), "--no-progress"]) == 1
+    assert "--overwrite" in capsys.readouterr().err
+    assert main(["convert", image_folder.path, str(tmp_path / "o"), "--no-progress", "--overwrite"]) == 0
+
+
+def test_wrong_dataset_root_errors_give_the_command(arrow_dataset, tar_dataset, image_folder,
+                                                    tmp_path, capsys):
+    index_json = os.path.join(arrow_dataset.path, "index.json")
+    for command in ("inspect", "verify"):
+        assert main([command, index_json]) == 1
+        err = capsys.readouterr().err
+        assert f"{index_json}: not a dataset root ({index_json} is the index file itself: " \
+               f"pass the folder that holds it, {arrow_dataset.path})" in err
+
+    shard = os.path.join(arrow_dataset.path, "shard-00001.arrow")
+    assert main(["inspect", shard]) == 1
+    assert f"{shard} is a shard file: pass the dataset folder" in capsys.readouterr().err
+
+    root = copy_dataset(tar_dataset, tmp_path / "t")
+    os.remove(os.path.join(root, "index.json"))
+    tar = os.path.join(root, "shard-00000.tar")
+    assert main(["verify", tar]) == 1
+    err = capsys.readouterr().err
+    assert f"`shardloader index {root}`" in err and f"`shardloader convert {tar} OUT_DIR`" in err
+    assert main(["inspect", root]) == 1
+    assert f"run `shardloader index {root}` to index them in place" in capsys.readouterr().err
+
+    with pytest.raises(Exception) as info:
+        Dataset(image_folder.path)
+    assert f"it holds images: run `shardloader convert {image_folder.path} OUT_DIR`" in str(info.value)
+
+    assert main(["index", index_json]) == 1
+    assert f"`shardloader index {arrow_dataset.path}`" in capsys.readouterr().err
+    assert main(["index", image_folder.path]) == 1
+    assert f"run `shardloader convert {image_folder.path} OUT_DIR`" in capsys.readouterr().err
+    assert main(["convert", index_json, str(tmp_path / "x")]) == 1
+    assert f"`shardloader convert {arrow_dataset.path} DST`" in capsys.readouterr().err
+    assert main(["index", arrow_dataset.path]) == 1
+    assert f"already holds a shardloader dataset: `shardloader inspect {arrow_dataset.path}`" in \
+        capsys.readouterr().err

@@ -68,11 +68,14 @@ def test_webdataset_written_tars_read_by_us(tmp_path):
             sink.write(record)
             expected.append({"__key__": f"k{i:04d}", "bin": s["data"],
                              "txt": s["name"].encode(), "cls": str(s["label"]).encode()})
+    decoded = [{**e, "txt": s["name"], "cls": s["label"]} for e, s in zip(expected, samples)]
     index = index_dataset(str(tmp_path))
     assert [s.samples for s in index.shards] == [20, 20, 5]
     assert [s.path for s in index.shards] == ["wds-0000.tar", "wds-0001.tar", "wds-0002.tar"]
-    ds = Dataset(tmp_path)
-    assert [_strip(ds[i]) for i in range(len(ds))] == expected
+    ds = Dataset(tmp_path)  # .txt and .cls members decode as webdataset decodes them
+    assert [_strip(ds[i]) for i in range(len(ds))] == decoded
+    raw = Dataset(tmp_path, decode=False)
+    assert [_strip(raw[i]) for i in range(len(raw))] == expected
     with wds.TarWriter(str(tmp_path / "single.tar")) as sink:  # TarWriter directly, too
         sink.write({"__key__": "only", "jpg": b"\xff\xd8jpeg", "json": {"a": 1}})
     scanned = scan_tar(str(tmp_path / "single.tar"))

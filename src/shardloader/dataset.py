@@ -1,8 +1,11 @@
 """`Dataset`: the map-style view over an indexed, sharded dataset, whatever its format.
 
 `len(ds)` is the number of samples in the index and `ds[i]` is global sample `i` as a dict of
-fields, read from the shard that holds it. Readers are opened lazily and per process, so a
-Dataset pickles cheaply into worker processes (only the index and the source travel).
+fields, read from the shard that holds it. Fields of WebDataset tar shards are decoded by
+extension (``cls`` -> int, ``txt`` -> str, ``json`` -> parsed, ...; see
+`shardloader.format.wds_decode`) unless `decode=False`. Readers are opened lazily and per
+process, so a Dataset pickles cheaply into worker processes (only the index and the source
+travel).
 """
 
 from __future__ import annotations
@@ -12,13 +15,14 @@ import os
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from shardloader.format.index import Index
 from shardloader.format.reader import ShardReader, open_shard
+from shardloader.format.wds_decode import decode_record, decoded_fields
 from shardloader.source import LocalSource, ShardSource, is_local, load_index, strip_file_scheme
 
 INDEX_FIELD = "__index__"
@@ -32,6 +36,9 @@ class Dataset:
     node's shard cache in `cache_dir`, bounded by `cache_limit` (bytes or a string like
     "200GB"). `verify` checks each shard's size and checksum the first time a process opens it.
     `max_open_shards` bounds how many shard readers a process keeps open.
+    `decode` applies to tar shards: True decodes the conventional WebDataset extensions as
+    webdataset does (images stay bytes), False gives every member's raw bytes, and a collection
+    of field names decodes only those.
     """
 
     def __init__(
@@ -43,6 +50,7 @@ class Dataset:
         storage_options: dict[str, Any] | None = None,
         verify: bool = True,
         max_open_shards: int = 16,
+        decode: bool | Collection[str] = True,
     ) -> None:
         self.url = os.fspath(path_or_url)
         self.storage_options = dict(storage_options or {})
@@ -52,6 +60,7 @@ class Dataset:
             storage_options=self.storage_options, verify=verify,
         )
         self.max_open_shards = max_open_shards
+        self._tar_decode = decoded_fields(list(self.index.schema), decode)
         self._reset_process_state()
 
     def _reset_process_state(self) -> None:
@@ -89,7 +98,7 @@ class Dataset:
             sample += len(self)
         shard, row = self.index.locate(sample)
         with self._using(shard) as reader:
-            record = reader.read(row)
+            record = self._decoded(reader.read(row), shard, reader)
         record[INDEX_FIELD] = sample
         return record
 
@@ -101,11 +110,18 @@ class Dataset:
         for shard in np.unique(shards):
             positions = np.flatnonzero(shards == shard)
             with self._using(int(shard)) as reader:
-                records = reader.read_rows(rows[positions].tolist())
+                records = [self._decoded(r, int(shard), reader)
+                           for r in reader.read_rows(rows[positions].tolist())]
             for pos, record in zip(positions.tolist(), records):
                 record[INDEX_FIELD] = int(samples[pos])
                 out[pos] = record
         return out  # type: ignore[return-value]
+
+    def _decoded(self, record: dict[str, Any], shard: int, reader: ShardReader) -> dict[str, Any]:
+        """`record` with a tar shard's conventional fields decoded (see `decode`)."""
+        if not self._tar_decode or self.index.shards[shard].format != "tar":
+            return record
+        return decode_record(record, self._tar_decode, where=getattr(reader, "path", ""))
 
     # -- shard readers ------------------------------------------------------------------------
     def reader(self, shard: int) -> ShardReader:

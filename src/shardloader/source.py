@@ -67,13 +67,10 @@ def load_index(url: str, storage_options: dict[str, Any] | None = None) -> Index
             from shardloader.cache.fetch import read_bytes
 
             text = read_bytes(index_url, storage_options)
-    except FileNotFoundError:
-        hint = ""
-        if is_local(url) and os.path.isdir(strip_file_scheme(url)):
-            names = os.listdir(strip_file_scheme(url))
-            if any(n.endswith((".tar", ".parquet")) for n in names):
-                hint = " (it holds .tar/.parquet files: run `shardloader index` to index them in place)"
-        raise DatasetIndexError(f"{index_url}: no index.json found{hint}") from None
+    except (FileNotFoundError, NotADirectoryError):
+        from shardloader.format.roots import missing_index_message  # names what was passed
+
+        raise DatasetIndexError(missing_index_message(url, index_url)) from None
     return Index.loads(text, source=index_url)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from shardloader.units import parse_size
@@ -43,3 +44,13 @@ def add_storage_options(parser: argparse.ArgumentParser) -> None:
         "--storage-options", type=storage_options_arg, default=None, metavar="JSON",
         help='fsspec options for remote URLs, as JSON (e.g. \'{"anon": true}\')',
     )
+
+
+def add_quiet(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="no progress bar (it is shown on stderr only when that is a terminal)")
+
+
+def show_progress(args: argparse.Namespace) -> bool:
+    """Progress bars go to stderr, and only to a terminal, unless --quiet."""
+    return not getattr(args, "quiet", False) and sys.stderr.isatty()

@@ -17,18 +17,32 @@ from shardloader.errors import ShardloaderError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("cache", help="verify, inspect or prune a node's shard cache")
+    parser = subparsers.add_parser(
+        "cache", help="verify, inspect or prune a node's shard cache",
+        description="Look after a node's shard cache directory (a Dataset's cache_dir). Safe "
+        "while training processes use the cache.",
+    )
     actions = parser.add_subparsers(dest="cache_command", metavar="ACTION", required=True)
-    verify = actions.add_parser("verify", help="re-hash every cached shard; exit 1 if any is bad")
+    verify = actions.add_parser(
+        "verify", help="re-hash every cached shard; exit 1 if any is bad",
+        description="Re-hash every cached shard against the checksum its name records; list "
+        "each bad file and exit 1 if any (--remove deletes them so they are fetched again).",
+    )
     verify.add_argument("dir", metavar="DIR", help="the cache directory (cache_dir)")
     verify.add_argument("--remove", action="store_true", help="delete the bad files")
     verify.add_argument("-v", "--verbose", action="store_true", help="list good files too")
     verify.set_defaults(func=run_verify)
-    info = actions.add_parser("info", help="size and number of cached shards")
-    info.add_argument("dir", metavar="DIR")
+    info = actions.add_parser("info", help="size and number of cached shards",
+                              description="Print how many shards the cache holds and their size, "
+                              "and the bytes of downloads in progress.")
+    info.add_argument("dir", metavar="DIR", help="the cache directory (cache_dir)")
     info.set_defaults(func=run_info)
-    prune = actions.add_parser("prune", help="evict unpinned shards, least recently used first")
-    prune.add_argument("dir", metavar="DIR")
+    prune = actions.add_parser(
+        "prune", help="evict unpinned shards, least recently used first",
+        description="Evict shards no process is reading, least recently used first, until at "
+        "most --to bytes remain (--to 0 empties the cache).",
+    )
+    prune.add_argument("dir", metavar="DIR", help="the cache directory (cache_dir)")
     prune.add_argument("--to", type=size_arg, required=True, metavar="SIZE",
                        help="bytes to keep at most, e.g. 50GB or 0")
     prune.set_defaults(func=run_prune)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from shardloader.cli._common import positive_int, size_arg
 from shardloader.units import format_size
@@ -12,9 +13,11 @@ from shardloader.units import format_size
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "convert", help="convert an image folder, Parquet files or WebDataset tars into shards",
-        description="Convert SRC (an image-class folder SRC/<class>/<file>.jpg|png, .parquet "
-        "file(s), WebDataset .tar file(s), or a shardloader dataset) into shards plus index.json "
-        "in DST.",
+        description="Convert SRC (an image-class folder SRC/<class>/<file>.jpg|png|..., labelled "
+        "as torchvision's ImageFolder does; .parquet file(s), Hugging Face image columns "
+        "included; WebDataset .tar file(s); or a shardloader dataset) into shards plus "
+        "index.json in DST. Images are checked (empty or undecodable files are named) but "
+        "stored as their bytes.",
     )
     parser.add_argument("src", metavar="SRC", help="local file or folder to convert")
     parser.add_argument("dst", metavar="DST", help="output folder (local path or fsspec URL)")
@@ -26,7 +29,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="shard format to write (default: arrow)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a dataset already in DST")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--allow-empty", action="store_true",
+                        help="image folders: accept class folders without images (their labels "
+                        "stay unused, as torchvision's allow_empty)")
+    parser.add_argument("-q", "--quiet", "--no-progress", dest="no_progress", action="store_true",
+                        help="no progress bar (it is shown on stderr only when that is a terminal)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.set_defaults(func=run)
 
@@ -35,8 +42,9 @@ def run(args: argparse.Namespace) -> int:
     from shardloader.format.convert import convert
 
     summary = convert(
-        args.src, args.dst, progress=not args.no_progress, shard_bytes=args.shard_bytes,
+        args.src, args.dst, progress=not args.no_progress and sys.stderr.isatty(), shard_bytes=args.shard_bytes,
         shard_samples=args.shard_samples, format=args.format, overwrite=args.overwrite,
+        allow_empty=args.allow_empty,
     )
     if args.json:
         print(json.dumps(summary, indent=1, ensure_ascii=False))

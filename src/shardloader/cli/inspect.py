@@ -14,6 +14,9 @@ from shardloader.units import format_size
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "inspect", help="show a dataset's samples, shards, bytes, schema and fingerprint",
+        description="Show what the index.json of the dataset at URL records: sample and shard "
+        "counts, bytes, formats, the schema (field types) and the fingerprint that resume "
+        "checks compare. No shard is read.",
     )
     parser.add_argument("url", metavar="URL", help="dataset root (local path or fsspec URL)")
     parser.add_argument("--json", action="store_true", help="print JSON")

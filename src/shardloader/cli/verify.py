@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import argparse
 
-from shardloader.cli._common import add_storage_options
+from shardloader.cli._common import add_quiet, add_storage_options, show_progress
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "verify", help="check every shard against the index (presence, size, checksum)",
+        description="Check the dataset at URL against its index.json: every shard and tar "
+        "sidecar present, of the recorded size and checksum (each file is read once), and for "
+        "a local dataset every shard opens with the recorded sample count and schema. Prints "
+        "each bad file and exits 1 if any.",
     )
     parser.add_argument("url", metavar="URL", help="dataset root (local path or fsspec URL)")
+    add_quiet(parser)
     add_storage_options(parser)
     parser.set_defaults(func=run)
 
@@ -20,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from shardloader.format.verify import verify_dataset
     from shardloader.source import load_index
 
-    problems = verify_dataset(args.url, args.storage_options)
+    problems = verify_dataset(args.url, args.storage_options, progress=show_progress(args))
     if problems:
         for problem in problems:
             print(f"BAD  {problem}")

@@ -16,6 +16,7 @@ from typing import Any
 
 import fsspec
 import pyarrow.parquet as pq
+from tqdm.auto import tqdm
 
 from shardloader.errors import SchemaError, ShardError, ShardloaderError
 from shardloader.format.checksum import checksum_file, checksum_stream, format_checksum, new_hasher
@@ -82,10 +83,12 @@ def index_dataset(
     *,
     storage_options: dict[str, Any] | None = None,
     out: str | os.PathLike[str] | None = None,
+    progress: bool = False,
 ) -> Index:
     """Build `index.json` (and tar sidecars) for the shard files in directory `url`.
 
-    `out` is where index.json and the sidecars are written, default `url` itself. Raises
+    `out` is where index.json and the sidecars are written, default `url` itself. `progress`
+    shows a progress bar (one step per shard) on stderr. Raises
     SchemaError naming both shards when two shards' schemas differ, ShardError for an
     unreadable file, ShardloaderError when there is nothing to index.
     """
@@ -99,7 +102,7 @@ def index_dataset(
     schema: dict[str, str] | None = None
     schema_from = ""
     with OutputDir(os.fspath(out) if out is not None else url, storage_options) as target:
-        for name in names:
+        for name in tqdm(names, desc=f"indexing {url}", unit="shard", disable=not progress):
             path = posixpath.join(root, name) if not local else os.path.join(root, name)
             fmt = INDEXABLE[os.path.splitext(name)[1]]
             extra: dict[str, Any] = {}

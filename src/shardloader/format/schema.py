@@ -7,6 +7,9 @@ Type names in an index schema (field -> name):
   ``float64`` (``float``)
 - ``array<DTYPE>[D0,D1,...]``: a numpy array of fixed shape and numeric dtype, e.g.
   ``array<float32>[3,224,224]`` (stored as Arrow's fixed-shape tensor extension type)
+- ``struct<NAME: T, ...>``: a dict with exactly those keys, each value of type T (any writable
+  type name) or None. Hugging Face `datasets` stores images this way
+  (``struct<bytes: binary, path: string>``), so `convert` keeps such columns as they are.
 - other Arrow types found in Parquet files: ``list<T>``, ``fixed_size_list<T>[N]`` (T a type
   name), anything else in Arrow's own spelling (``str(type)``, e.g. ``timestamp[ms]``). Their
   values come back as pyarrow's `to_pylist` gives them, except fixed-size lists of numbers,
@@ -72,9 +75,47 @@ def arrow_type(name: str) -> pa.DataType:
     parsed = parse_array_type(name)
     if parsed is not None and parsed[0].kind in _ARRAY_KINDS:
         return pa.fixed_shape_tensor(pa.from_numpy_dtype(parsed[0]), list(parsed[1]))
+    fields = parse_struct_type(name)
+    if fields is not None:
+        return pa.struct([(field, arrow_type(child)) for field, child in fields.items()])
     raise SchemaError(
-        f"type {name!r} cannot be written (writable: {', '.join(_SCALARS)}, array<DTYPE>[SHAPE])"
+        f"type {name!r} cannot be written (writable: {', '.join(_SCALARS)}, array<DTYPE>[SHAPE], "
+        "struct<NAME: TYPE, ...>)"
     )
+
+
+def struct_type_name(fields: Mapping[str, str]) -> str:
+    """The type name of a struct with `fields` (field -> type name), in pyarrow's spelling."""
+    return "struct<" + ", ".join(f"{field}: {name}" for field, name in fields.items()) + ">"
+
+
+def parse_struct_type(name: str) -> dict[str, str] | None:
+    """Field -> type name of a ``struct<NAME: T, ...>`` type name, or None for any other name.
+
+    Splits on the top-level ", " only, so that children may be structs or lists themselves.
+    """
+    if not (name.startswith("struct<") and name.endswith(">")):
+        return None
+    body, parts, depth, start = name[len("struct<"):-1], [], 0, 0
+    for i, char in enumerate(body):
+        if char in "<[":
+            depth += 1
+        elif char in ">]":
+            depth -= 1
+        elif char == "," and depth == 0:
+            parts.append(body[start:i].strip())
+            start = i + 1
+    if body.strip():
+        parts.append(body[start:].strip())
+    fields: dict[str, str] = {}
+    for part in parts:
+        field, sep, child = part.partition(": ")
+        if not sep or not field or field in fields:
+            raise SchemaError(f"malformed struct type {name!r} (at {part!r})")
+        fields[field] = child
+    if not fields:
+        raise SchemaError(f"struct type {name!r} has no fields")
+    return fields
 
 
 def type_name(dtype: pa.DataType) -> str:
@@ -89,6 +130,9 @@ def type_name(dtype: pa.DataType) -> str:
     for name, scalar in _SCALARS.items():
         if dtype == scalar:
             return name
+    if pa.types.is_struct(dtype):
+        return struct_type_name({dtype.field(i).name: type_name(dtype.field(i).type)
+                                 for i in range(dtype.num_fields)})
     # List types are named without their item field's name, which Parquet round trips rename.
     if pa.types.is_fixed_size_list(dtype):
         return f"fixed_size_list<{type_name(dtype.value_type)}>[{dtype.list_size}]"
@@ -152,14 +196,24 @@ def infer_type(value: Any) -> str:
         return array_type_name(value.dtype, value.shape)
     if value is None:
         raise SchemaError("None values are not stored (every field needs a value)")
+    if isinstance(value, Mapping) and value and all(isinstance(k, str) and k for k in value):
+        try:
+            return struct_type_name({k: infer_type(v) for k, v in value.items()})
+        except SchemaError as e:
+            raise SchemaError(f"dict value: {e}") from None
     raise SchemaError(
-        f"values of type {type(value).__name__} are not stored (use bytes, str, int, float, bool "
-        "or a numeric numpy array)"
+        f"values of type {type(value).__name__} are not stored (use bytes, str, int, float, bool, "
+        "a numeric numpy array, or a dict of those with string keys)"
     )
 
 
 def value_fits(value: Any, name: str) -> bool:
     """True when `value` can be stored in a field of type `name` without losing information."""
+    struct = parse_struct_type(name) if name.startswith("struct<") else None
+    if struct is not None:
+        return isinstance(value, Mapping) and value.keys() == struct.keys() and all(
+            v is None or value_fits(v, struct[k]) for k, v in value.items()
+        )
     try:
         inferred = infer_type(value)
     except SchemaError:
@@ -184,6 +238,8 @@ def value_nbytes(value: Any) -> int:
         return value.nbytes
     if isinstance(value, np.ndarray):
         return value.nbytes
+    if isinstance(value, Mapping):
+        return sum(value_nbytes(v) for v in value.values() if v is not None)
     return 8
 
 

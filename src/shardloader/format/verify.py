@@ -14,6 +14,7 @@ import warnings
 from typing import Any
 
 import fsspec
+from tqdm.auto import tqdm
 
 from shardloader.errors import ShardloaderError
 from shardloader.format.checksum import checksum_stream, parse_checksum
@@ -68,18 +69,26 @@ def _check_structure(root: str, shard: ShardInfo, index: Index) -> str | None:
     return None
 
 
-def verify_dataset(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> list[str]:
-    """Every problem found in the dataset at `url`, one message per bad file; [] when it verifies."""
+def verify_dataset(
+    url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *,
+    progress: bool = False,
+) -> list[str]:
+    """Every problem found in the dataset at `url`, one message per bad file; [] when it verifies.
+    `progress` shows a progress bar (bytes checked) on stderr."""
     url = os.fspath(url)
     index = load_index(url, storage_options)
     fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
     root = strip_file_scheme(url) if is_local(url) else url
     problems: list[str] = []
-    for shard in index.shards:
-        shard_problem = _check_file(fs, join_url(root, shard.path), shard.bytes, shard.checksum)
-        if shard_problem is None and is_local(url):
-            shard_problem = _check_structure(root, shard, index)
-        for problem in (shard_problem, _check_sidecar(fs, root, shard)):
-            if problem is not None:
-                problems.append(problem)
+    bar = tqdm(total=index.total_bytes, desc=f"verifying {url}", unit="B", unit_scale=True,
+               disable=not progress)
+    with bar:
+        for shard in index.shards:
+            shard_problem = _check_file(fs, join_url(root, shard.path), shard.bytes, shard.checksum)
+            if shard_problem is None and is_local(url):
+                shard_problem = _check_structure(root, shard, index)
+            for problem in (shard_problem, _check_sidecar(fs, root, shard)):
+                if problem is not None:
+                    problems.append(problem)
+            bar.update(shard.bytes)
     return problems

@@ -222,7 +222,8 @@ def write_shards(
             target.close()
             raise ShardloaderError(
                 f"{target.final_path(INDEX_NAME)}: the output directory already holds a dataset; "
-                "choose an empty directory or pass overwrite=True"
+                "choose an empty directory or pass overwrite=True (`--overwrite` for "
+                "`shardloader convert`)"
             )
         target.remove(INDEX_NAME)
     spec = SampleSchema(schema) if schema is not None else None

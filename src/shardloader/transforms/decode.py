@@ -8,11 +8,19 @@ backends give the same geometry.
 
 Output: a C-contiguous `uint8` array of shape (H, W, C): C=3 for "RGB", C=1 for "L",
 C=4 for "RGBA" (PIL modes other than these also decode via PIL; C is that mode's band count).
+
+Image fields hold encoded bytes, or a Hugging Face `datasets` image: a dict
+``{"bytes": ..., "path": ...}`` (its `Image` feature, stored in Parquet as
+``struct<bytes: binary, path: string>``). The bytes are decoded; an image whose bytes are None
+(an HF dataset that refers to files by path instead of embedding them) is an error naming the
+path: such paths are usually absolute paths on the machine that built the dataset, and reading
+files named by stored data would let a dataset reach outside its root, so they are never opened.
 """
 
 from __future__ import annotations
 
 import io
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -79,6 +87,37 @@ def decode_image(data: Any, mode: str = "RGB", backend: str = "auto") -> np.ndar
     )
 
 
+def image_problem(data: Any) -> str | None:
+    """Why `data` is not a decodable image, judged cheaply from its header; None if it looks fine.
+
+    JPEG: simplejpeg parses the header (no pixel decoding). Other formats: PIL identifies the
+    format and runs its `verify` (for PNG this checks every chunk's CRC). A file cut short after
+    a valid JPEG header passes; decoding it later raises ImageDecodeError naming the sample.
+    """
+    view = memoryview(data)
+    if view.nbytes == 0:
+        return "the file is empty"
+    if is_jpeg(view):
+        import simplejpeg
+
+        try:
+            simplejpeg.decode_jpeg_header(view)
+        except ValueError as e:
+            return f"not a readable JPEG ({e})"
+        return None
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(view)) as img:
+            img.verify()
+    except Exception as e:  # PIL raises many types (UnidentifiedImageError, SyntaxError, ...)
+        reason = str(e)
+        if "cannot identify image file" in reason:
+            reason = "cannot identify the image format"
+        return f"not a readable image ({type(e).__name__}: {reason})"
+    return None
+
+
 def decode_jpeg(
     data: Any,
     mode: str = "RGB",
@@ -131,11 +170,34 @@ def _decode_pil(view: memoryview, mode: str) -> np.ndarray:
     return image
 
 
+def image_bytes(data: Any, sample: Sample, field: str) -> Any:
+    """The encoded image of field `field`: `data` itself, or the ``bytes`` of a Hugging Face
+    image dict ``{"bytes", "path"}``; an ImageDecodeError naming the field, sample and path when
+    the dict embeds no bytes."""
+    if not isinstance(data, Mapping):
+        return data
+    if "bytes" not in data:
+        keys = ", ".join(sorted(repr(k) for k in data)) or "none"
+        raise ImageDecodeError(
+            f"field {field!r} of {describe_sample(sample)} is a dict without 'bytes' (keys: {keys}); "
+            "expected encoded image bytes or a Hugging Face image {'bytes': ..., 'path': ...}"
+        )
+    if data["bytes"] is None:
+        raise ImageDecodeError(
+            f"field {field!r} of {describe_sample(sample)} embeds no image bytes, only the path "
+            f"{data.get('path')!r}; shardloader never opens paths stored in a dataset. Embed the "
+            "image bytes first (Hugging Face datasets' `push_to_hub` and `embed_table_storage` "
+            "do), or `shardloader convert` the image folder"
+        )
+    return data["bytes"]
+
+
 class DecodeImage(Transform):
     """Decode the encoded image in `sample[field]` into an HWC uint8 array at `sample[out]`.
 
     `mode` is a PIL mode ("RGB", "L", "RGBA", ...); `backend="auto"` uses simplejpeg for JPEG
-    and OpenCV for other formats (PIL as fallback), `backend="pil"` uses PIL only.
+    and OpenCV for other formats (PIL as fallback), `backend="pil"` uses PIL only. The field
+    holds encoded bytes or a Hugging Face image dict ``{"bytes", "path"}`` (see module doc).
     """
 
     def __init__(
@@ -154,7 +216,8 @@ class DecodeImage(Transform):
 
 
 def decode_field(data: Any, sample: Sample, field: str, mode: str, backend: str) -> np.ndarray:
-    """`decode_image` whose errors name the field and the sample."""
+    """`decode_image` of `image_bytes(data)`, whose errors name the field and the sample."""
+    data = image_bytes(data, sample, field)
     try:
         return decode_image(data, mode, backend)
     except ImageDecodeError as e:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from shardloader.transforms.base import Sample, Transform, get_field, opencv, with_field
-from shardloader.transforms.decode import decode_field, decode_jpeg, is_jpeg
+from shardloader.transforms.decode import decode_field, decode_jpeg, image_bytes, is_jpeg
 from shardloader.transforms.geometry import (
     draw_flip,
     flip_hwc,
@@ -108,7 +108,7 @@ class DecodeCropFlip(Transform):
         return 1
 
     def __call__(self, sample: Sample, generator: torch.Generator | None = None) -> Sample:
-        data = get_field(sample, self.field, "DecodeCropFlip")
+        data = image_bytes(get_field(sample, self.field, "DecodeCropFlip"), sample, self.field)
         header = _jpeg_size(data) if self.mode in ("RGB", "L") else None
         if header is None:  # not a JPEG (or not one simplejpeg reads): decode, then crop
             image = decode_field(data, sample, self.field, self.mode, "auto")

@@ -1,0 +1,120 @@
+"""Decoding WebDataset tar members by their extension, as webdataset users expect.
+
+A tar shard stores every field as bytes; webdataset's default decoders turn the conventional
+extensions into Python values, and `Dataset` does the same for tar shards (`decode=True`):
+
+- ``cls cls2 class count index inx id`` -> ``int`` (decimal text, surrounding whitespace ignored)
+- ``txt text transcript`` -> ``str`` (UTF-8)
+- ``json jsn`` -> the parsed JSON value (``json.loads``: data only)
+- ``npy`` -> ``numpy.ndarray`` (``numpy.load`` with ``allow_pickle=False``)
+
+The extension is the part of the field name after its last dot (``seg.txt`` is text), as in
+webdataset. Everything else stays bytes: images (jpg, png, ...) go to the transforms
+(`DecodeImage`, `DecodeCropFlip`) undecoded, and formats that can run code when loaded
+(``pyd``/``pickle``, ``pth``) are never decoded (invariant I12: stored bytes are data).
+
+Decoding is a pure function of the bytes, so it keeps resume exact. A member that does not
+parse as its extension says is a `FieldDecodeError` naming the shard, sample key and field.
+`decode=False` gives raw bytes; a collection of field names decodes only those fields.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import numpy as np
+
+from shardloader.errors import ShardError
+
+
+class FieldDecodeError(ShardError):
+    """A tar member's bytes do not parse as its extension says (e.g. a ``.cls`` that is not
+    an integer)."""
+
+
+def _int(data: bytes) -> int:
+    text = data.decode("ascii").strip()
+    return int(text)
+
+
+def _text(data: bytes) -> str:
+    return data.decode("utf-8")
+
+
+def _json(data: bytes) -> Any:
+    return json.loads(data)
+
+
+def _npy(data: bytes) -> np.ndarray:
+    return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+_DECODERS: dict[str, tuple[str, Callable[[bytes], Any]]] = {}
+for _ext in ("cls", "cls2", "class", "count", "index", "inx", "id"):
+    _DECODERS[_ext] = ("a decimal integer", _int)
+for _ext in ("txt", "text", "transcript"):
+    _DECODERS[_ext] = ("UTF-8 text", _text)
+for _ext in ("json", "jsn"):
+    _DECODERS[_ext] = ("JSON", _json)
+_DECODERS["npy"] = ("a .npy array (without pickled objects)", _npy)
+
+DECODED_EXTENSIONS = tuple(_DECODERS)
+# Extensions whose decoded values are scalars every sample stores alike (int64, string):
+# what `convert` decodes when it writes tars into typed Arrow shards.
+SCALAR_EXTENSIONS = tuple(e for e, (_, fn) in _DECODERS.items() if fn in (_int, _text))
+
+
+def extension(field: str) -> str:
+    """The extension that decides how `field` decodes: the part after its last dot."""
+    return field.rsplit(".", 1)[-1]
+
+
+def decoded_fields(fields: Collection[str], decode: bool | Collection[str]) -> dict[str, str]:
+    """Field -> extension of the `fields` that `decode` selects and that have a decoder.
+
+    `decode`: True (every conventional field), False (none), or field names to decode (each
+    must be one of `fields`, else ValueError naming it).
+    """
+    if decode is True:
+        chosen = list(fields)
+    elif decode is False:
+        return {}
+    else:
+        if isinstance(decode, str):
+            raise TypeError("decode must be True, False or a collection of field names, not a str")
+        chosen = list(decode)
+        unknown = [f for f in chosen if f not in fields]
+        if unknown:
+            raise ValueError(f"decode names fields {unknown} that the dataset does not have "
+                             f"(fields: {sorted(fields)})")
+    return {f: extension(f) for f in chosen if extension(f) in _DECODERS}
+
+
+def scalar_fields(fields: Collection[str]) -> list[str]:
+    """The `fields` whose extension decodes to an int or a str (see SCALAR_EXTENSIONS)."""
+    return [f for f in fields if extension(f) in SCALAR_EXTENSIONS]
+
+
+def decode_record(record: dict[str, Any], fields: Mapping[str, str], *, where: str) -> dict[str, Any]:
+    """`record` with each field of `fields` (field -> extension) decoded in place; returns it.
+
+    `where` names the shard for errors. Values that are not bytes (already decoded) are left.
+    """
+    for field, ext in fields.items():
+        value = record.get(field)
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            continue
+        what, decoder = _DECODERS[ext]
+        try:
+            record[field] = decoder(bytes(value))
+        except (ValueError, EOFError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            head = bytes(value[:40])
+            raise FieldDecodeError(
+                f"{where}: sample {record.get('__key__')!r} field {field!r}: {len(value)} bytes "
+                f"(starting {head!r}) are not {what} as .{ext} members hold ({e}); pass "
+                "decode=False (or a list of the fields to decode) to read raw bytes"
+            ) from None
+    return record
