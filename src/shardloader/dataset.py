@@ -61,8 +61,8 @@ class Dataset:
         )
         self.max_open_shards = max_open_shards
         self._reset_process_state()
-        self._check_not_empty()
         self._check_empty_shards()
+        self._check_not_empty()
 
     def _check_not_empty(self) -> None:
         """An index without samples would give zero batches and no error: refuse it here."""
