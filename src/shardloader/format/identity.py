@@ -63,6 +63,7 @@ class FileGuard:
         self.path = path
         self.fd = fd
         self.identity = FileIdentity.of(os.fstat(fd))
+        self._size, self._mtime_ns = self.identity.size, self.identity.mtime_ns  # hot path
         if expect is not None and self.identity != expect:
             raise ShardChangedError(
                 f"{path}: shard changed after it was verified ({expect.change_to(self.identity)})"
@@ -75,7 +76,7 @@ class FileGuard:
         a file renamed over the path leaves this reader's (verified) file intact.
         """
         st = os.fstat(self.fd)
-        if st.st_size != self.identity.size or st.st_mtime_ns != self.identity.mtime_ns:
+        if st.st_size != self._size or st.st_mtime_ns != self._mtime_ns:
             now = FileIdentity.of(st)
             raise ShardChangedError(
                 f"{self.path}: shard changed while open ({self.identity.change_to(now)})"
