@@ -38,8 +38,12 @@ class Dataset:
 
     Local paths are read in place. Remote URLs (any fsspec protocol) are read through the
     node's shard cache in `cache_dir`, bounded by `cache_limit` (bytes or a string like
-    "200GB"). `verify` checks each shard's size and checksum the first time a process opens it.
+    "200GB"). `verify` checks each shard's size and checksum the first time a process opens it,
+    and for local shards again whenever the file's identity (inode, size, mtime) changed; with
+    `verify=False` a local shard's size is still checked against the index.
     `max_open_shards` bounds how many shard readers a process keeps open.
+    Building a Dataset opens the shards the index lists as empty (a `samples: 0` entry for a
+    shard with rows is a ShardError) and refuses an index without samples (DatasetIndexError).
     """
 
     def __init__(
