@@ -6,7 +6,9 @@ an untouched dataset gives at that position; the only other allowed outcome is a
 the changed file. The run happens in a child process so that a death by signal (SIGBUS from a
 memory-mapped page past the end of a truncated file, today's failure) is seen as the child's exit
 status instead of taking pytest down. `max_open_shards=1` with a shuffle window of 2 makes every
-process close and reopen shards all the time, which is where a check by path used to be fooled.
+process close and reopen shards all the time, which is where a check by path used to be fooled;
+`_plan` picks k and the shard from the epoch's order so that the change meets an open memory map
+(truncate, overwrite) or a reopen (rename) in a process that verified the shard before.
 
 With worker processes the mutation is synchronised with the iteration, not timed: the test's
 transform holds every worker inside its next batch (rows already read) until the shard has been
@@ -82,8 +84,9 @@ def _mutate(kind: str, path: str, other: str) -> None:
     elif kind == "truncate":
         os.truncate(path, os.path.getsize(path) // 3)
     elif kind == "overwrite":  # same size, other bytes, in place
+        size = os.path.getsize(path)
         with open(other, "rb") as src, open(path, "r+b") as dst:
-            dst.write(src.read())
+            dst.write(src.read()[:size].ljust(size, b"\0"))
     else:
         raise AssertionError(kind)
 
