@@ -76,3 +76,57 @@ def test_first_open_verifies_shard(arrow_dataset, tmp_path):
         ds.get_many([1, 130])
     unverified = Dataset(root, verify=False)  # the bytes changed, not the structure
     assert len(unverified.get_many([130])) == 1
+
+
+# -- indexes that would silently lose data ------------------------------------------------------
+def _set_samples(root: str, shard: int, samples: int) -> None:
+    import json
+
+    path = f"{root}/index.json"
+    with open(path) as f:
+        data = json.load(f)
+    data["shards"][shard]["samples"] = samples
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+@pytest.mark.parametrize("name,message", [
+    ("arrow_dataset", r"shard-00001.arrow: shard holds 64 rows but the index records 0"),
+    ("tar_dataset", r"shard-00001.tar: tar holds 50 samples but the index records 0"),
+    ("parquet_dataset", r"part-1.parquet: shard holds 50 rows but the index records 0"),
+])
+def test_zero_samples_entry_for_a_shard_with_rows_is_an_error_at_open(request, tmp_path, name, message):
+    root = copy_dataset(request.getfixturevalue(name), tmp_path)
+    _set_samples(root, 1, 0)
+    with pytest.raises(ShardError, match=message):
+        Dataset(root)
+
+
+def test_empty_shard_listed_as_empty_is_read_around(parquet_dataset, tmp_path):
+    import pyarrow.parquet as pq
+
+    from shardloader.format.indexer import index_dataset
+
+    root = copy_dataset(parquet_dataset, tmp_path)
+    table = pq.read_table(f"{root}/part-0.parquet")
+    pq.write_table(table.slice(0, 0), f"{root}/part-0a.parquet")  # sorts between 0 and 1
+    index_dataset(root)
+    ds = Dataset(root)
+    assert [s.samples for s in ds.index.shards] == [50, 0, 50, 50]
+    assert [r["data"] for r in ds.get_many([49, 50, 149])] == [
+        parquet_dataset.samples[i]["data"] for i in (49, 50, 149)]
+
+
+def test_index_without_samples_is_an_error_not_zero_batches(parquet_dataset, tmp_path):
+    import pyarrow.parquet as pq
+
+    from shardloader.errors import DatasetIndexError
+    from shardloader.format.indexer import index_dataset
+
+    root = tmp_path / "empty"
+    root.mkdir()
+    table = pq.read_table(f"{parquet_dataset.path}/part-0.parquet")
+    pq.write_table(table.slice(0, 0), root / "part-0.parquet")
+    index_dataset(str(root))
+    with pytest.raises(DatasetIndexError, match=rf"{root}: the index lists no samples \(1 shards"):
+        Dataset(root)

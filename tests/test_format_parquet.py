@@ -88,3 +88,50 @@ def test_count_and_schema_checked(parquet_dataset):
         ParquetShardReader(path, dataclasses.replace(info, samples=51))
     with pytest.raises(SchemaError, match=rf"{info.path}: schema differs.*unexpected field 'name'"):
         ParquetShardReader(path, info, {"data": "binary", "label": "int64"})
+
+
+def _with_nulls(parquet_dataset, tmp_path):
+    """A copy of the Parquet dataset whose part-1 has a null `label` in row 5 and a null `name`
+    in row 20 (second row group), indexed again."""
+    root = copy_dataset(parquet_dataset, tmp_path)
+    path = os.path.join(root, "part-1.parquet")
+    table = pq.read_table(path)
+    labels = table.column("label").to_pylist()
+    names = table.column("name").to_pylist()
+    labels[5], names[20] = None, None
+    table = table.set_column(1, "label", pa.array(labels, pa.int64()))
+    table = table.set_column(2, "name", pa.array(names, pa.string()))
+    pq.write_table(table, path, row_group_size=16)
+    index_dataset(root)
+    return root, path
+
+
+def test_null_values_are_an_error_naming_file_row_and_field(parquet_dataset, tmp_path):
+    from shardloader import Loader
+
+    root, path = _with_nulls(parquet_dataset, tmp_path)
+    ds = Dataset(root)
+    assert ds[54]["label"] == parquet_dataset.samples[54]["label"]  # other rows read as before
+    with pytest.raises(SchemaError, match=rf"{path}: row 5: field 'label' is null"):
+        ds[55]
+    with pytest.raises(SchemaError, match=rf"{path}: row 20: field 'name' is null"):
+        ds.get_many([0, 70, 1])
+    loader = Loader(ds, batch_size=50, shuffle=False, tail="partial")
+    batches = iter(loader)
+    next(batches)  # part-0 has no nulls
+    with pytest.raises(SchemaError, match=rf"{path}: row 5: field 'label' is null"):
+        next(batches)  # not a TypeError from collate
+    loader.close()
+
+
+def test_verify_lists_fields_with_nulls(parquet_dataset, tmp_path):
+    from shardloader.format.verify import verify_dataset
+
+    root, path = _with_nulls(parquet_dataset, tmp_path)
+    assert verify_dataset(root) == [
+        f"{path}: null values in field 'label' (1), field 'name' (1); every field needs a value "
+        "in every row (reading such a row is an error)"
+    ]
+    pq.write_table(pq.read_table(path), path, row_group_size=16, write_statistics=False)
+    index_dataset(root)  # without statistics the columns are decoded to count
+    assert verify_dataset(root)[0].startswith(f"{path}: null values in field 'label' (1), field 'name' (1)")

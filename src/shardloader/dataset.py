@@ -6,6 +6,11 @@ extension (``cls`` -> int, ``txt`` -> str, ``json`` -> parsed, ...; see
 `shardloader.format.wds_decode`) unless `decode=False`. Readers are opened lazily and per
 process, so a Dataset pickles cheaply into worker processes (only the index and the source
 travel).
+
+A shard that changes during a run (renamed over, truncated or rewritten in place) is never
+read as if it were the file that was verified: a reader whose file changed under it is dropped
+and the shard reopened, which verifies the new file against the index again. Either the new
+file is what the index describes and reading goes on, or the read is a ShardError naming it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from shardloader.errors import DatasetIndexError, ShardChangedError
 from shardloader.format.index import Index
 from shardloader.format.reader import ShardReader, open_shard
 from shardloader.format.wds_decode import decode_record, decoded_fields
@@ -27,6 +33,8 @@ from shardloader.source import LocalSource, ShardSource, is_local, load_index, s
 
 INDEX_FIELD = "__index__"
 KEY_FIELD = "__key__"
+#: Opening a shard that keeps changing between verification and opening gives up after this.
+_OPEN_ATTEMPTS = 3
 
 
 class Dataset:
@@ -34,11 +42,15 @@ class Dataset:
 
     Local paths are read in place. Remote URLs (any fsspec protocol) are read through the
     node's shard cache in `cache_dir`, bounded by `cache_limit` (bytes or a string like
-    "200GB"). `verify` checks each shard's size and checksum the first time a process opens it.
+    "200GB"). `verify` checks each shard's size and checksum the first time a process opens it,
+    and for local shards again whenever the file's identity (inode, size, mtime) changed; with
+    `verify=False` a local shard's size is still checked against the index.
     `max_open_shards` bounds how many shard readers a process keeps open.
     `decode` applies to tar shards: True decodes the conventional WebDataset extensions as
     webdataset does (images stay bytes), False gives every member's raw bytes, and a collection
     of field names decodes only those.
+    Building a Dataset opens the shards the index lists as empty (a `samples: 0` entry for a
+    shard with rows is a ShardError) and refuses an index without samples (DatasetIndexError).
     """
 
     def __init__(
@@ -62,6 +74,27 @@ class Dataset:
         self.max_open_shards = max_open_shards
         self._tar_decode = decoded_fields(list(self.index.schema), decode)
         self._reset_process_state()
+        self._check_empty_shards()
+        self._check_not_empty()
+
+    def _check_not_empty(self) -> None:
+        """An index without samples would give zero batches and no error: refuse it here."""
+        if self.index.num_samples == 0:
+            raise DatasetIndexError(
+                f"{self.url}: the index lists no samples ({self.index.num_shards} shards, all "
+                "with 'samples': 0); there is nothing to load (was the dataset written?)"
+            )
+
+    def _check_empty_shards(self) -> None:
+        """Open each shard the index calls empty: a `samples: 0` entry for a shard that holds
+        rows would silently drop them from every epoch (the reader's count check names both)."""
+        for info in self.index.shards:
+            if info.samples == 0:
+                path = self.source.local_path(info)
+                try:
+                    open_shard(info, path, self.index.schema).close()
+                finally:
+                    self.source.release(info)
 
     def _reset_process_state(self) -> None:
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
@@ -97,8 +130,7 @@ class Dataset:
         if sample < 0:
             sample += len(self)
         shard, row = self.index.locate(sample)
-        with self._using(shard) as reader:
-            record = self._decoded(reader.read(row), shard, reader)
+        record = self._read_rows(shard, [row])[0]
         record[INDEX_FIELD] = sample
         return record
 
@@ -109,9 +141,7 @@ class Dataset:
         out: list[dict[str, Any] | None] = [None] * len(samples)
         for shard in np.unique(shards):
             positions = np.flatnonzero(shards == shard)
-            with self._using(int(shard)) as reader:
-                records = [self._decoded(r, int(shard), reader)
-                           for r in reader.read_rows(rows[positions].tolist())]
+            records = self._read_rows(int(shard), rows[positions].tolist())
             for pos, record in zip(positions.tolist(), records):
                 record[INDEX_FIELD] = int(samples[pos])
                 out[pos] = record
@@ -124,6 +154,31 @@ class Dataset:
         return decode_record(record, self._tar_decode, where=getattr(reader, "path", ""))
 
     # -- shard readers ------------------------------------------------------------------------
+    def _read_rows(self, shard: int, rows: list[int]) -> list[dict[str, Any]]:
+        """Rows of `shard`. A reader whose file changed in place since it was opened is dropped
+        and the shard opened again once (verifying the file anew), so the rows come from a file
+        that matches the index or the call raises a ShardError naming it."""
+        for attempt in range(2):
+            with self._using(shard) as reader:
+                try:
+                    return [self._decoded(r, shard, reader) for r in reader.read_rows(rows)]
+                except ShardChangedError:
+                    if attempt:
+                        raise
+                    self._retire(shard, reader)
+        raise AssertionError("unreachable")
+
+    def _retire(self, shard: int, reader: ShardReader) -> None:
+        """Stop handing out `reader` (its file changed). Closed now when no other thread uses
+        it; otherwise when the last user drops it (its reads fail the identity check anyway)."""
+        with self._readers_lock:
+            if self._readers.get(shard) is not reader:
+                return  # another thread retired it already
+            del self._readers[shard]
+            self.source.release(self.index.shards[shard])
+            if self._in_use.get(shard) == 1:
+                reader.close()
+
     def reader(self, shard: int) -> ShardReader:
         """The open reader of shard `shard`, opening (and verifying) it on first use.
 
@@ -156,18 +211,8 @@ class Dataset:
                 return reader
             # Close idle readers first, so a process pins at most max_open_shards shards.
             self._close_idle_over_limit(room_for=1)
+        reader = self._open(shard)
         info = self.index.shards[shard]
-        start = time.perf_counter()
-        try:  # outside the lock: this may wait for a download
-            path = self.source.local_path(info)
-        finally:
-            waited = time.perf_counter() - start
-            self._thread.wait_seconds = getattr(self._thread, "wait_seconds", 0.0) + waited
-        try:
-            reader = open_shard(info, path, self.index.schema)
-        except BaseException:
-            self.source.release(info)
-            raise
         with self._readers_lock:
             existing = self._readers.get(shard)
             if existing is not None:  # another thread opened it meanwhile: keep one
@@ -179,6 +224,34 @@ class Dataset:
             self._readers.move_to_end(shard)
             self._in_use[shard] += 1
             return reader
+
+    def _open(self, shard: int) -> ShardReader:
+        """A new reader of `shard` on the file its source verified (pinned by the source until
+        released). A file replaced between verification and opening is verified again."""
+        info = self.index.shards[shard]
+        verified_identity = getattr(self.source, "verified_identity", None)
+        for attempt in range(_OPEN_ATTEMPTS):
+            start = time.perf_counter()
+            try:  # outside the lock: this may wait for a download
+                path = self.source.local_path(info)
+            except ShardChangedError:
+                if attempt + 1 == _OPEN_ATTEMPTS:
+                    raise
+                continue
+            finally:
+                waited = time.perf_counter() - start
+                self._thread.wait_seconds = getattr(self._thread, "wait_seconds", 0.0) + waited
+            expect = verified_identity(info) if verified_identity is not None else None
+            try:
+                return open_shard(info, path, self.index.schema, expect=expect)
+            except ShardChangedError:
+                self.source.release(info)
+                if attempt + 1 == _OPEN_ATTEMPTS:
+                    raise
+            except BaseException:
+                self.source.release(info)
+                raise
+        raise AssertionError("unreachable")
 
     def _close_idle_over_limit(self, room_for: int = 0) -> None:
         """Close least recently used readers that no thread is using (caller holds the lock)."""

@@ -13,6 +13,10 @@ class ShardError(ShardloaderError):
     """A shard is missing, truncated, corrupt, or does not match its index entry."""
 
 
+class ShardChangedError(ShardError):
+    """A shard file changed (replaced, truncated, rewritten) after it was verified or opened."""
+
+
 class ChecksumMismatch(ShardError):
     """A shard's bytes do not hash to the checksum recorded in the index."""
 

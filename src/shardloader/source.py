@@ -4,7 +4,9 @@ A source turns a shard's index entry into a local file path that is whole and ve
 local source reads in place (never copies, never deletes); the remote source (see
 `shardloader.cache`) downloads into the node's shard cache. Each process verifies a shard's
 checksum the first time it opens it (invariant I6), so a file damaged after an earlier
-verification is caught.
+verification is caught. The local source remembers the identity (inode, size, mtime) of each
+file it verified and verifies again whenever the file at the path has another identity (I12): a
+shard rewritten during a run is checked against the index before its reader is reopened.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from typing import Any, Protocol
 
 import fsspec
 
-from shardloader.errors import ChecksumMismatch, DatasetIndexError, ShardError
-from shardloader.format.checksum import checksum_file, parse_checksum
+from shardloader.errors import ChecksumMismatch, DatasetIndexError, ShardChangedError, ShardError
+from shardloader.format.checksum import checksum_stream, parse_checksum
+from shardloader.format.identity import FileIdentity, path_identity
 from shardloader.format.index import INDEX_NAME, Index, ShardInfo
 from shardloader.format.paths import join_url
 
@@ -44,6 +47,10 @@ class ShardSource(Protocol):
         """This process's counters: cache_hits, cache_misses, bytes_downloaded,
         download_seconds, wait_seconds (zeros for a local source)."""
         ...
+
+    # Optional: `verified_identity(info) -> FileIdentity | None`, the identity of the file
+    # `local_path` last verified for `info`. A reader opened on any other file is reopened
+    # (see `Dataset`); sources without it are trusted to keep their files unchanged.
 
 
 def is_local(url: str) -> bool:
@@ -74,47 +81,85 @@ def load_index(url: str, storage_options: dict[str, Any] | None = None) -> Index
     return Index.loads(text, source=index_url)
 
 
-def verify_local_file(path: str, info: ShardInfo) -> None:
-    """Raise a ShardError naming `path` unless it has the size and checksum of `info`."""
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise ShardError(f"{path}: shard file is missing (listed in the index as {info.path!r})") from None
+def _missing(path: str, info: ShardInfo) -> ShardError:
+    return ShardError(f"{path}: shard file is missing (listed in the index as {info.path!r})")
+
+
+def _check_size(path: str, size: int, info: ShardInfo) -> None:
     if size != info.bytes:
         raise ShardError(
             f"{path}: shard is {size} bytes but the index records {info.bytes} "
             f"({'truncated' if size < info.bytes else 'larger than expected'})"
         )
-    algorithm, _ = parse_checksum(info.checksum)
-    actual, _ = checksum_file(path, algorithm)
+
+
+def verify_local_file(path: str, info: ShardInfo) -> FileIdentity:
+    """The identity of the file at `path`, after checking that it has the size and checksum of
+    `info`; otherwise a ShardError naming `path` (ShardChangedError if it changed meanwhile)."""
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise _missing(path, info) from None
+    with f:
+        identity = FileIdentity.of(os.fstat(f.fileno()))
+        _check_size(path, identity.size, info)
+        algorithm, _ = parse_checksum(info.checksum)
+        actual, _ = checksum_stream(f, algorithm)
+        after = FileIdentity.of(os.fstat(f.fileno()))
+    if after != identity:
+        raise ShardChangedError(f"{path}: shard changed while being verified ({identity.change_to(after)})")
     if actual != info.checksum:
         raise ChecksumMismatch(f"{path}: checksum {actual} does not match the index ({info.checksum})")
+    return identity
 
 
 class LocalSource:
-    """Shards read in place from a local directory. Verified once per process, never copied."""
+    """Shards read in place from a local directory, never copied.
+
+    Each process verifies a file when it first opens it and again whenever the file at its
+    path has another identity (inode, size, mtime) than the one it verified: a file replaced by
+    rename or rewritten in place during a run is checked against the index before it is read.
+    With `verify=False` only the size is checked against the index.
+    """
 
     def __init__(self, root: str, *, verify: bool = True) -> None:
         self.root = os.path.abspath(strip_file_scheme(root))
         self.verify = verify
-        self._verified: set[str] = set()
+        self._verified: dict[str, FileIdentity] = {}
         self._pid = os.getpid()
         self._lock = threading.Lock()
 
     def local_path(self, info: ShardInfo) -> str:
         path = os.path.join(self.root, info.path)
         if os.getpid() != self._pid:  # a forked worker verifies for itself
-            self._verified = set()
+            self._verified = {}
             self._pid = os.getpid()
-        if info.path in self._verified:
+        try:
+            now = path_identity(path)
+        except FileNotFoundError:
+            raise _missing(path, info) from None
+        before = self._verified.get(info.path)
+        if before == now:
             return path
-        if self.verify:
-            verify_local_file(path, info)
-        elif not os.path.exists(path):
-            raise ShardError(f"{path}: shard file is missing (listed in the index as {info.path!r})")
+        try:
+            if self.verify:
+                now = verify_local_file(path, info)
+            else:
+                _check_size(path, now.size, info)
+        except ShardError as e:
+            if before is None or isinstance(e, ShardChangedError):
+                raise
+            raise type(e)(f"{e}; the file changed during the run ({before.change_to(now)} "
+                          "since this process verified it)") from None
         with self._lock:
-            self._verified.add(info.path)
+            self._verified[info.path] = now
         return path
+
+    def verified_identity(self, info: ShardInfo) -> FileIdentity | None:
+        """The identity of the file `local_path` last verified for `info` in this process."""
+        if os.getpid() != self._pid:
+            return None
+        return self._verified.get(info.path)
 
     def release(self, info: ShardInfo) -> None:
         return None

@@ -4,6 +4,9 @@ The file is mapped with `pa.memory_map` and its record batches are opened zero-c
 a shard reads only its footer and batch metadata. Reading rows slices just those rows out of
 the mapped column buffers (`BatchRows`) and converts only them to Python values. Files are
 written uncompressed (see `shardloader.format.writer`) so that nothing has to be decoded.
+Before and after each read the reader checks that the mapped file still has the identity it was
+opened with (`shardloader.format.identity`), so a shard truncated under it is a ShardError
+naming it rather than SIGBUS on a page past the new end of the file.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import numpy as np
 import pyarrow as pa
 
 from shardloader.errors import ShardError, ShardloaderError
+from shardloader.format.identity import FileIdentity
 from shardloader.format.index import ShardInfo
 from shardloader.format.reader import memory_map_shard
-from shardloader.format.schema import BatchRows, check_shard, gather_rows, schema_names
+from shardloader.format.schema import BatchRows, check_shard, gather_rows, null_counts, schema_names
 
 
 class ArrowShardReader:
@@ -25,25 +29,29 @@ class ArrowShardReader:
 
     Checks on open: the file is a readable Arrow IPC file, its row count equals the index
     entry's `samples`, and (when `schema` is given) its fields and types equal the index schema.
+    With `expect`, the file must be the one its source verified (see `open_shard`).
     """
 
-    def __init__(self, path: str, info: ShardInfo, schema: Mapping[str, str] | None = None) -> None:
+    def __init__(self, path: str, info: ShardInfo, schema: Mapping[str, str] | None = None, *,
+                 expect: FileIdentity | None = None) -> None:
         self.path = path
         self.info = info
-        self._map = memory_map_shard(path, info)
+        self._map, self._guard = memory_map_shard(path, info, expect)
         try:
             reader = pa.ipc.open_file(self._map)
             batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
             for batch in batches:
                 batch.validate()
-            self._batches = [BatchRows(b) for b in batches]
+            counts = np.fromiter((b.num_rows for b in batches), dtype=np.int64, count=len(batches))
+            self._offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(counts)])
+            self._batches = [BatchRows(b, where=path, first_row=int(first))
+                             for b, first in zip(batches, self._offsets)]
         except (pa.ArrowException, OSError, ValueError) as e:
             self._map.close()
             raise ShardError(
                 f"{path}: not a readable Arrow IPC file (truncated or corrupt?): {e}"
             ) from None
-        counts = np.fromiter((b.num_rows for b in batches), dtype=np.int64, count=len(batches))
-        self._offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(counts)])
+        self._raw = batches
         try:
             check_shard(path, len(self), info.samples, schema_names(reader.schema), schema)
         except ShardloaderError:
@@ -57,12 +65,24 @@ class ArrowShardReader:
         return self.read_rows([row])[0]
 
     def read_rows(self, rows: Sequence[int]) -> list[dict[str, Any]]:
-        """Rows in the order given (repeats allowed), grouped by the record batch holding them."""
-        return gather_rows(self._offsets, rows, lambda b, local: self._batches[b].records(local),
-                           where=self.path)
+        """Rows in the order given (repeats allowed), grouped by the record batch holding them.
+
+        The file's identity is checked before the mapped pages are touched (a shrunk file
+        would fault) and after (a file rewritten during the read gave mixed bytes)."""
+        self._guard.check()
+        records = gather_rows(self._offsets, rows,
+                              lambda b, local: self._batches[b].records(local), where=self.path)
+        self._guard.check()
+        return records
+
+    def null_counts(self) -> dict[str, int]:
+        """Field -> number of null values in the shard, for the fields that hold any."""
+        self._guard.check()
+        return null_counts(self._raw)
 
     def close(self) -> None:
         self._batches = []
+        self._raw = []
         self._map.close()
 
     def __enter__(self) -> ArrowShardReader:

@@ -6,6 +6,10 @@ bounded by `cache_bytes` (default 32 MiB per open shard, but always the last two
 so that the batches the Loader draws from a window of shards decode each row group about once
 rather than once per batch. Files with small row groups (a few MB) suit random access best;
 see benchmarks/read_rows.py for the cost of each.
+
+The file is memory-mapped: like the Arrow reader, this one checks the file's identity before
+and after each read, so a shard truncated under it is a ShardError naming it, not SIGBUS. A
+null in a row that is read is a SchemaError naming the file, row and field.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardloader.errors import ShardError, ShardloaderError
+from shardloader.format.identity import FileIdentity
 from shardloader.format.index import ShardInfo
 from shardloader.format.reader import memory_map_shard
 from shardloader.format.schema import BatchRows, check_shard, gather_rows, schema_names
@@ -34,11 +39,12 @@ class ParquetShardReader:
         schema: Mapping[str, str] | None = None,
         *,
         cache_bytes: int = 32 << 20,
+        expect: FileIdentity | None = None,
     ) -> None:
         self.path = path
         self.info = info
         self.cache_bytes = cache_bytes
-        self._source = memory_map_shard(path, info)
+        self._source, self._guard = memory_map_shard(path, info, expect)
         try:
             self._file = pq.ParquetFile(self._source)
             meta = self._file.metadata
@@ -74,7 +80,7 @@ class ParquetShardReader:
             raise ShardError(f"{self.path}: row group {group} cannot be decoded (corrupt?): {e}") from None
         batches = table.combine_chunks().to_batches()
         batch = batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)
-        rows = BatchRows(batch)
+        rows = BatchRows(batch, where=self.path, first_row=int(self._offsets[group]))
         self._cache[group] = rows
         self._cached_bytes += batch.nbytes
         while len(self._cache) > 2 and self._cached_bytes > self.cache_bytes:
@@ -86,9 +92,43 @@ class ParquetShardReader:
         return self.read_rows([row])[0]
 
     def read_rows(self, rows: Sequence[int]) -> list[dict[str, Any]]:
-        """Rows in the order given (repeats allowed), decoding each row group touched once."""
-        return gather_rows(self._offsets, rows, lambda g, local: self._row_group(g).records(local),
-                           where=self.path)
+        """Rows in the order given (repeats allowed), decoding each row group touched once.
+
+        The file's identity is checked before decoding (a shrunk file would fault) and after."""
+        self._guard.check()
+        records = gather_rows(self._offsets, rows,
+                              lambda g, local: self._row_group(g).records(local), where=self.path)
+        self._guard.check()
+        return records
+
+    def null_counts(self) -> dict[str, int]:
+        """Field -> number of null values in the file, for the fields that hold any.
+
+        From the row groups' statistics where the writer recorded a null count for a top-level
+        column, else by decoding that column of that row group (one at a time)."""
+        self._guard.check()
+        meta = self._file.metadata
+        names = self._file.schema_arrow.names
+        counts: dict[str, int] = {}
+        for group in range(meta.num_row_groups):
+            row_group = meta.row_group(group)
+            stats = {}
+            for c in range(row_group.num_columns):
+                column = row_group.column(c)
+                if column.statistics is not None and column.statistics.has_null_count:
+                    stats[column.path_in_schema] = column.statistics.null_count
+            for name in names:
+                nulls = stats.get(name)
+                if nulls is None:
+                    try:
+                        nulls = self._file.read_row_group(group, columns=[name]).column(0).null_count
+                    except (pa.ArrowException, OSError) as e:
+                        raise ShardError(f"{self.path}: row group {group} cannot be decoded "
+                                         f"(corrupt?): {e}") from None
+                if nulls:
+                    counts[name] = counts.get(name, 0) + nulls
+        self._guard.check()
+        return counts
 
     def close(self) -> None:
         self._cache.clear()

@@ -5,6 +5,11 @@ materialising the whole shard as Python objects (Arrow is memory-mapped, tars ar
 seeking to recorded member offsets, Parquet reads only the row groups that hold the rows).
 Values come back as plain Python objects per field: `bytes` for binary fields, `int`,
 `float`, `str`, and `numpy.ndarray` for fixed-shape array fields.
+
+Every reader holds its file open (pinning the inode it verified) and checks before and after
+each read that the file did not change in place (see `shardloader.format.identity`): a shard
+truncated or rewritten under an open reader is a `ShardChangedError` naming it, never a crash
+by SIGBUS on a memory-mapped page that no longer exists.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from shardloader.format.identity import FileGuard, FileIdentity
 from shardloader.format.index import ShardInfo
 
 
@@ -27,37 +33,47 @@ class ShardReader(Protocol):
     def close(self) -> None: ...
 
 
-def memory_map_shard(path: str, info: ShardInfo) -> Any:
-    """A read-only pyarrow memory map of a shard file, or a ShardError naming the file."""
+def memory_map_shard(path: str, info: ShardInfo,
+                     expect: FileIdentity | None = None) -> tuple[Any, FileGuard]:
+    """A read-only pyarrow memory map of a shard file and the guard of the mapped file, or a
+    ShardError naming the file (ShardChangedError when it is not the file `expect` describes)."""
     import pyarrow as pa
 
     from shardloader.errors import ShardError
 
     try:
-        return pa.memory_map(path, "r")
+        mapped = pa.memory_map(path, "r")
     except FileNotFoundError:
         raise ShardError(f"{path}: shard file is missing (listed as {info.path!r})") from None
     except OSError as e:
         raise ShardError(f"{path}: cannot open shard ({e})") from None
+    try:  # the map's own descriptor: its identity is that of the mapped inode, whatever the path
+        return mapped, FileGuard(path, mapped.fileno(), expect)
+    except BaseException:
+        mapped.close()
+        raise
 
 
 def open_shard(
-    info: ShardInfo, local_path: str, schema: Mapping[str, str] | None = None
+    info: ShardInfo, local_path: str, schema: Mapping[str, str] | None = None, *,
+    expect: FileIdentity | None = None,
 ) -> ShardReader:
     """Open the local file of shard `info` with the reader for its format.
 
     With `schema` (the index's), the reader checks that the shard's fields and types match it.
+    With `expect` (the identity its source verified), opening a different file (one renamed
+    over the path since) is a ShardChangedError, raised before the file is parsed.
     """
     if info.format == "arrow":
         from shardloader.format.arrow import ArrowShardReader
 
-        return ArrowShardReader(local_path, info, schema)
+        return ArrowShardReader(local_path, info, schema, expect=expect)
     if info.format == "tar":
         from shardloader.format.tar import TarShardReader
 
-        return TarShardReader(local_path, info, schema)
+        return TarShardReader(local_path, info, schema, expect=expect)
     if info.format == "parquet":
         from shardloader.format.parquet import ParquetShardReader
 
-        return ParquetShardReader(local_path, info, schema)
+        return ParquetShardReader(local_path, info, schema, expect=expect)
     raise ValueError(f"{info.path}: unknown shard format {info.format!r}")

@@ -258,13 +258,6 @@ def build_array(values: list[Any], name: str) -> pa.Array:
     return pa.array(values, type=dtype)
 
 
-def column_values(array: pa.Array | pa.ChunkedArray) -> list[Any]:
-    """Python values of a whole Arrow column, one per row (see `column_reader` for the types)."""
-    if isinstance(array, pa.ChunkedArray):
-        array = array.combine_chunks()
-    return column_reader(array)(np.arange(len(array), dtype=np.int64))
-
-
 def column_reader(array: pa.Array) -> Callable[[np.ndarray], list[Any]]:
     """A function from row positions (int64 array, any order, repeats allowed) to those rows'
     Python values, touching only those rows.
@@ -273,7 +266,8 @@ def column_reader(array: pa.Array) -> Callable[[np.ndarray], list[Any]]:
     buffer (for a memory-mapped file, one copy from the page cache into `bytes`), fixed-width
     numbers and tensors are indexed through zero-copy numpy views. Tensor and fixed-size-list
     rows come back as numpy arrays (views of one writable array copied for the call); anything
-    else (nulls, nested types) goes through `take` and `to_pylist`.
+    else (nulls, nested types) goes through `take` and `to_pylist`. Nothing returned refers to
+    the column's buffers, so a memory-mapped file can be closed after the call.
     """
     dtype = array.type
     if array.null_count == 0:
@@ -311,25 +305,61 @@ def _varlen_reader(array: pa.Array, large: bool, text: bool) -> Callable[[np.nda
 
 
 class BatchRows:
-    """Row access to one record batch through per-column readers built once."""
+    """Row access to one record batch through per-column readers built once.
 
-    def __init__(self, batch: pa.RecordBatch) -> None:
+    Every field of a shardloader schema holds a value in every row (a `None` would reach
+    collate, far from its cause), so reading a row whose field is null is a SchemaError naming
+    `where` (the file), the row (counted from `first_row`, the batch's first row in the file)
+    and the field. Columns without nulls (all that the writer produces) cost nothing for this.
+    """
+
+    def __init__(self, batch: pa.RecordBatch, *, where: str = "record batch", first_row: int = 0) -> None:
         self.batch = batch
         self.names = batch.schema.names
         self.num_rows = batch.num_rows
+        self.where = where
+        self.first_row = first_row
         self._readers = [column_reader(column) for column in batch.columns]
+        self._validity = [
+            (name, column.is_valid().to_numpy(zero_copy_only=False))
+            for name, column in zip(self.names, batch.columns) if column.null_count
+        ]
+
+    def _check_not_null(self, rows: np.ndarray) -> None:
+        for name, valid in self._validity:
+            bad = np.flatnonzero(~valid[rows])
+            if bad.size:
+                row = self.first_row + int(rows[bad[0]])
+                raise SchemaError(
+                    f"{self.where}: row {row}: field {name!r} is null; every field of a "
+                    f"shardloader dataset needs a value in every row (fill or drop the nulls "
+                    f"when writing; `shardloader verify` lists the fields that hold nulls)"
+                )
 
     def records(self, rows: np.ndarray) -> list[dict[str, Any]]:
         """Rows `rows` (positions in the batch, any order, repeats allowed) as dicts."""
+        if self._validity:
+            self._check_not_null(rows)
         columns = [read(rows) for read in self._readers]
         if not columns:
             return [{} for _ in range(len(rows))]
         return [dict(zip(self.names, values)) for values in zip(*columns)]
 
 
-def batch_records(batch: pa.RecordBatch, rows: np.ndarray) -> list[dict[str, Any]]:
-    """Rows `rows` of `batch` as dicts field -> value."""
-    return BatchRows(batch).records(np.asarray(rows, dtype=np.int64))
+def batch_records(batch: pa.RecordBatch, rows: np.ndarray, *, where: str = "record batch",
+                  first_row: int = 0) -> list[dict[str, Any]]:
+    """Rows `rows` of `batch` as dicts field -> value (a null is a SchemaError naming `where`)."""
+    return BatchRows(batch, where=where, first_row=first_row).records(np.asarray(rows, dtype=np.int64))
+
+
+def null_counts(batches: Any) -> dict[str, int]:
+    """Field -> number of nulls over record batches or tables, for the fields that hold any."""
+    counts: dict[str, int] = {}
+    for batch in batches:
+        for name, column in zip(batch.schema.names, batch.columns):
+            if column.null_count:
+                counts[name] = counts.get(name, 0) + column.null_count
+    return counts
 
 
 def gather_rows(

@@ -42,6 +42,7 @@ import numpy as np
 
 from shardloader.errors import SchemaError, ShardError, ShardloaderError
 from shardloader.format.checksum import checksum_bytes, parse_checksum
+from shardloader.format.identity import FileGuard, FileIdentity
 from shardloader.format.index import ShardInfo
 from shardloader.format.paths import safe_relative_path
 from shardloader.format.schema import check_schema
@@ -230,31 +231,55 @@ def load_offsets(path: str, info: ShardInfo) -> TarOffsets:
     return table
 
 
-class TarShardReader:
-    """Row access to one WebDataset tar by `os.pread` at recorded member offsets."""
+def _open_fd(path: str, info: ShardInfo) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise ShardError(f"{path}: shard file is missing (listed as {info.path!r})") from None
+    except OSError as e:
+        raise ShardError(f"{path}: cannot open shard ({e})") from None
 
-    def __init__(self, path: str, info: ShardInfo, schema: Mapping[str, str] | None = None) -> None:
-        if not os.path.exists(path):
-            raise ShardError(f"{path}: shard file is missing (listed as {info.path!r})")
-        table = load_offsets(path, info)
-        if schema is not None and len(table):
-            check_schema({f: "binary" for f in table.fields}, schema,
-                         where=f"{path}: schema differs from the index")
-        self._open(path, table)
+
+class TarShardReader:
+    """Row access to one WebDataset tar by `os.pread` at recorded member offsets.
+
+    The reader holds the tar open (so a file renamed over its path does not affect it) and
+    checks before and after each read that it did not change in place (ShardChangedError).
+    With `expect`, the file must be the one its source verified (see `open_shard`).
+    """
+
+    def __init__(self, path: str, info: ShardInfo, schema: Mapping[str, str] | None = None, *,
+                 expect: FileIdentity | None = None) -> None:
+        self.path = path
+        self._fd = _open_fd(path, info)
+        try:
+            self._guard = FileGuard(path, self._fd, expect)
+            table = load_offsets(path, info)  # by path: it must still name the file held open
+            self._guard.check_path()
+            if schema is not None and len(table):
+                check_schema({f: "binary" for f in table.fields}, schema,
+                             where=f"{path}: schema differs from the index")
+        except BaseException:
+            self.close()
+            raise
+        self._table = table
         self.info: ShardInfo | None = info
 
     @classmethod
     def unindexed(cls, path: str) -> TarShardReader:
         """A reader of a tar no index describes: its member table comes from a header scan."""
         reader = cls.__new__(cls)
-        reader._open(path, scan_tar(path))
+        reader.path = path
+        reader._fd = os.open(path, os.O_RDONLY)
+        try:
+            reader._guard = FileGuard(path, reader._fd)
+            reader._table = scan_tar(path)
+            reader._guard.check_path()
+        except BaseException:
+            reader.close()
+            raise
         reader.info = None
         return reader
-
-    def _open(self, path: str, table: TarOffsets) -> None:
-        self.path = path
-        self._table = table
-        self._fd = os.open(path, os.O_RDONLY)
 
     @property
     def keys(self) -> list[str]:
@@ -268,6 +293,12 @@ class TarShardReader:
         return len(self._table)
 
     def read(self, row: int) -> dict[str, Any]:
+        self._guard.check()
+        record = self._read(row)
+        self._guard.check()
+        return record
+
+    def _read(self, row: int) -> dict[str, Any]:
         n = len(self._table)
         if not -n <= row < n:
             raise IndexError(f"{self.path}: row {row} out of range for a shard of {n} rows")
@@ -284,12 +315,18 @@ class TarShardReader:
         return record
 
     def read_rows(self, rows: Sequence[int]) -> list[dict[str, Any]]:
-        return [self.read(int(r)) for r in rows]
+        self._guard.check()
+        records = [self._read(int(r)) for r in rows]
+        self._guard.check()
+        return records
 
     def close(self) -> None:
-        if self._fd >= 0:
+        if getattr(self, "_fd", -1) >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def __del__(self) -> None:  # a reader retired while another thread used it
+        self.close()
 
     def __enter__(self) -> TarShardReader:
         return self

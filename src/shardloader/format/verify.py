@@ -1,7 +1,8 @@
 """Verifying a dataset against its index: every shard (and tar sidecar) present, whole, intact.
 
 `verify_dataset` recomputes every checksum by streaming each file once, and for local datasets
-also opens every shard with its reader (sample count and schema against the index). It returns
+also opens every shard with its reader (sample count and schema against the index, and no null
+values: every field of a shardloader dataset needs a value in every row). It returns
 the problems found, each naming its file; an empty list means the dataset verifies. A malformed
 or unsafe index raises (`DatasetIndexError`, `UnsafePathError`): there is nothing to check
 against.
@@ -58,14 +59,22 @@ def _check_sidecar(fs: Any, root: str, shard: ShardInfo) -> str | None:
 
 
 def _check_structure(root: str, shard: ShardInfo, index: Index) -> str | None:
-    """Open a local shard with its reader: row count and schema against the index."""
+    """Open a local shard with its reader: row count and schema against the index, no nulls."""
+    path = os.path.join(root, shard.path)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a bad sidecar is already reported
-            reader = open_shard(shard, os.path.join(root, shard.path), index.schema)
-        reader.close()
+            reader = open_shard(shard, path, index.schema)
+        try:
+            nulls = reader.null_counts() if hasattr(reader, "null_counts") else {}
+        finally:
+            reader.close()
     except ShardloaderError as e:
         return str(e)
+    if nulls:
+        fields = ", ".join(f"field {name!r} ({count})" for name, count in nulls.items())
+        return (f"{path}: null values in {fields}; every field needs a value in every row "
+                "(reading such a row is an error)")
     return None
 
 
