@@ -13,6 +13,8 @@ import stat
 
 import pytest
 
+from shardloader.cache.ledger import Reservation
+from shardloader.cache.maintenance import usage as usage_of
 from shardloader.cache.remote import RemoteSource
 from shardloader.cache.store import cache_name
 from shardloader.dataset import Dataset
@@ -116,7 +118,7 @@ def test_damage_after_this_process_verified_is_caught_on_the_next_open(six_shard
 
 
 def usage(src) -> int:
-    u = src.store.usage()
+    u = usage_of(src.store)
     return u["data_bytes"] + u["tmp_bytes"]
 
 
@@ -194,11 +196,11 @@ def test_leftovers_of_a_dead_downloader_are_removed_and_not_counted(six_shards, 
     name = cache_name(s[1])
     leftover = tmp_path / "tmp" / f"{name}.999999.abcdef.part"
     leftover.write_bytes(b"partial")
-    store.index.set("resv/" + name, {"bytes": s[1].bytes, "pid": 999999})  # no lock holder
+    store.ledger.reserve(name, Reservation(s[1].bytes, 999999))  # no lock holder
     fresh = source(ds, tmp_path, s[0].bytes)
     assert read_and_release(fresh, s[0]) == open(os.path.join(ds, s[0].path), "rb").read()
     assert not leftover.exists()
-    assert store.index.get("resv/" + name) is None
+    assert name not in store.ledger.reservations()
 
 
 def test_a_local_dataset_is_never_copied_or_evicted(six_shards, tmp_path):

@@ -31,7 +31,8 @@ class Dataset:
     Local paths are read in place. Remote URLs (any fsspec protocol) are read through the
     node's shard cache in `cache_dir`, bounded by `cache_limit` (bytes or a string like
     "200GB"). `verify` checks each shard's size and checksum the first time a process opens it.
-    `max_open_shards` bounds how many shard readers a process keeps open.
+    `max_open_shards` bounds how many shard readers a process keeps open; idle ones close early
+    when the node cache needs their room.
     """
 
     def __init__(
@@ -60,6 +61,7 @@ class Dataset:
         self._pid = os.getpid()
         self._thread = threading.local()
         self._in_use: Counter[int] = Counter()
+        self._releaser_registered = False
 
     def shard_wait_seconds(self) -> float:
         """Seconds this thread has spent waiting for shard files to become available (download,
@@ -71,7 +73,7 @@ class Dataset:
     # -- pickling: only the description travels, never open files ------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_readers", "_readers_lock", "_pid", "_thread", "_in_use"):
+        for key in ("_readers", "_readers_lock", "_pid", "_thread", "_in_use", "_releaser_registered"):
             state.pop(key, None)
         return state
 
@@ -140,6 +142,7 @@ class Dataset:
                 return reader
             # Close idle readers first, so a process pins at most max_open_shards shards.
             self._close_idle_over_limit(room_for=1)
+            self._register_releaser()
         info = self.index.shards[shard]
         start = time.perf_counter()
         try:  # outside the lock: this may wait for a download
@@ -175,6 +178,35 @@ class Dataset:
             self._readers.pop(shard).close()
             self.source.release(self.index.shards[shard])
             excess -= 1
+
+    def _register_releaser(self) -> None:
+        """Let the node cache close this process's idle readers when a reader needs room
+        (caller holds the lock; once per process)."""
+        if self._releaser_registered:
+            return
+        self._releaser_registered = True
+        register = getattr(self.source, "add_idle_releaser", None)
+        if register is not None:
+            register(self.release_idle)
+
+    def release_idle(self) -> int:
+        """Close every reader no thread is using now (their shards are unpinned); how many."""
+        if os.getpid() != self._pid:
+            return 0
+        with self._readers_lock:
+            idle = [shard for shard in self._readers if not self._in_use.get(shard)]
+            for shard in idle:
+                self._readers.pop(shard).close()
+                self.source.release(self.index.shards[shard])
+        return len(idle)
+
+    def check_capacity(self, *, num_workers: int) -> None:
+        """Refuse, before anything is read, a cache too small for reading with `num_workers`
+        per rank (a CacheFullError stating the minimum); the Loader calls it when iteration
+        starts. Local datasets have no cache and pass."""
+        check = getattr(self.source, "check_capacity", None)
+        if check is not None:
+            check(self.index, num_workers=num_workers)
 
     def close(self) -> None:
         """Close every open reader of this process."""
