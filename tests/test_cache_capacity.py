@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from shardloader import Dataset, Loader
-from shardloader.cache.capacity import CacheNeeds, cache_needs
+from shardloader.cache.capacity import CacheNeeds, cache_needs, check_limit, largest_footprint
 from shardloader.errors import CacheFullError
 from shardloader.format.writer import write_shards
 from tests.resume import assert_same_batches, take
@@ -126,7 +126,8 @@ def test_a_limit_of_a_fraction_of_the_data_gives_the_unlimited_batches(
 def test_a_limit_under_the_minimum_is_refused_before_the_first_batch(s3_dataset, s3_server, tmp_path):
     url, index = s3_dataset
     biggest = max(s.bytes for s in index.shards)
-    needs = cache_needs(index, readers_per_rank=4, ranks_per_node=1, prefetch_downloads=1)
+    needs = cache_needs(largest_footprint(index.shards), readers_per_rank=4, ranks_per_node=1,
+                        prefetch_downloads=1)
     assert needs.minimum == 5 * biggest
     run = make_loader(url, s3_server.storage_options(), tmp_path / "cache", needs.minimum - 1, 4)
     with pytest.raises(CacheFullError) as raised:
@@ -160,13 +161,24 @@ def test_fifteen_shards_run_with_nine_tenths_of_their_size(s3_server, tmp_path):
 
 def test_needs_is_a_pure_function_of_the_settings():
     class Info:
-        def __init__(self, size):
-            self.bytes, self.format, self.extra = size, "arrow", {}
+        def __init__(self, size, fmt="arrow", extra=None):
+            self.bytes, self.format, self.extra = size, fmt, extra or {}
 
-    class Index:
-        shards = [Info(100), Info(300), Info(200)]
+    # A tar shard's offsets sidecar is cached with it and counts.
+    shards = [Info(100), Info(300), Info(250, "tar", {"offsets": {"bytes": 60}})]
+    assert largest_footprint(shards) == 310
+    needs = cache_needs(310, readers_per_rank=2, ranks_per_node=2, prefetch_downloads=1)
+    assert needs == CacheNeeds(largest=310, readers=4, downloads=2)
+    assert (needs.minimum, needs.reader_reserve) == (6 * 310, 4 * 310)
+    assert cache_needs(310, readers_per_rank=1, ranks_per_node=1, prefetch_downloads=0).minimum == 310
+    check_limit(needs.minimum, needs, "/c")  # at the minimum: fine
+    with pytest.raises(CacheFullError, match=r"below the minimum .* \(1860 bytes\) = \(4 shard reader"):
+        check_limit(needs.minimum - 1, needs, "/c")
 
-    needs = cache_needs(Index(), readers_per_rank=2, ranks_per_node=2, prefetch_downloads=1)
-    assert needs == CacheNeeds(largest=300, readers=4, downloads=2)
-    assert needs.minimum == 6 * 300
-    assert cache_needs(Index(), readers_per_rank=1, ranks_per_node=1, prefetch_downloads=0).minimum == 300
+
+def test_ranks_per_node_and_readers_come_from_the_settings():
+    from shardloader.cache.capacity import ranks_per_node, readers_per_rank
+
+    assert ranks_per_node({"LOCAL_WORLD_SIZE": "4"}) == 4
+    assert ranks_per_node({}) == 1 and ranks_per_node({"LOCAL_WORLD_SIZE": "x"}) == 1
+    assert [readers_per_rank(n) for n in (0, 1, 4)] == [1, 1, 4]

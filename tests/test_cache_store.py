@@ -238,3 +238,33 @@ def test_the_cache_limit_does_not_change_what_is_read(six_shards, tmp_path):
             reader.close()
             remote.release(index.shards[shard])
         assert [g["data"] for g in got] == [r["data"] for r in reference]
+
+
+def test_idle_readers_give_up_their_pins_when_a_read_needs_room(six_shards, tmp_path, http_server):
+    """A Dataset keeps up to max_open_shards readers open, each pinning its shard; a read that
+    needs room closes the idle ones instead of failing with CacheFullError."""
+    ds, index = six_shards
+    biggest = max(x.bytes for x in index.shards)
+    remote = Dataset(http_server(ds).url, cache_dir=str(tmp_path), cache_limit=int(biggest * 2.5),
+                     max_open_shards=16)
+    local = Dataset(ds)
+    order = list(range(120)) + list(reversed(range(120)))
+    for i in order:  # one sample at a time: every shard change opens a reader
+        assert remote[i]["data"] == local[i]["data"]
+    counters = remote.source.counters()
+    assert counters["idle_released"] > 0 and counters["evictions"] > 0
+    assert usage(remote.source) <= int(biggest * 2.5)
+    remote.close()
+
+
+def test_a_reader_in_use_is_not_released(six_shards, tmp_path, http_server):
+    ds, index = six_shards
+    biggest = max(x.bytes for x in index.shards)
+    remote = Dataset(http_server(ds).url, cache_dir=str(tmp_path), cache_limit=int(biggest * 1.5),
+                     max_open_shards=16)
+    remote.source.full_timeout = 0.5  # before the first use opens the cache
+    with remote._using(0):  # shard 0 is being read, and only one shard fits
+        with pytest.raises(CacheFullError, match="no room for shard shard-00001.arrow"):
+            remote[30]
+    assert remote[30]["label"] == 30  # once shard 0 is idle, it gives way
+    remote.close()

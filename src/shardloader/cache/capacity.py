@@ -76,12 +76,13 @@ def ranks_per_node(environ: dict[str, str] | None = None) -> int:
         return 1
 
 
-def cache_needs(index: Any, *, readers_per_rank: int, ranks_per_node: int,
+def cache_needs(largest: int, *, readers_per_rank: int, ranks_per_node: int,
                 prefetch_downloads: int) -> CacheNeeds:
-    """The needs of a node running `ranks_per_node` ranks over `index`, each reading with
-    `readers_per_rank` threads and prefetching with `prefetch_downloads` (0 or 1) downloads."""
+    """The needs of a node running `ranks_per_node` ranks over shards of at most `largest`
+    bytes (see `largest_footprint`), each rank reading with `readers_per_rank` threads and
+    prefetching with `prefetch_downloads` (0 or 1) downloads."""
     return CacheNeeds(
-        largest=largest_footprint(index.shards),
+        largest=int(largest),
         readers=ranks_per_node * readers_per_rank,
         downloads=ranks_per_node * prefetch_downloads,
     )

@@ -24,6 +24,7 @@ from shardloader.cache.capacity import (
     CacheNeeds,
     cache_needs,
     check_limit,
+    largest_footprint,
     ranks_per_node,
     readers_per_rank,
 )
@@ -133,6 +134,7 @@ class RemoteSource:
         self._base = ""
         self._rng = random.Random()
         self._releasers: list[Releaser] = []
+        self._largest: tuple[Any, int] | None = None  # (index fingerprint, largest footprint)
 
     def __getstate__(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in self._CONFIG}
@@ -232,7 +234,10 @@ class RemoteSource:
         what reading `index` with `num_workers` per rank needs on this node (see `capacity.py`);
         remember the needs so that prefetch leaves readers their room. Called by the Loader
         when iteration starts, before anything is read."""
-        needs = cache_needs(index, readers_per_rank=readers_per_rank(num_workers),
+        key = getattr(index, "fingerprint", None)
+        if self._largest is None or self._largest[0] != key or key is None:
+            self._largest = (key, largest_footprint(index.shards))  # O(shards): once per index
+        needs = cache_needs(self._largest[1], readers_per_rank=readers_per_rank(num_workers),
                             ranks_per_node=ranks_per_node(), prefetch_downloads=int(self.prefetch))
         check_limit(self.cache_limit, needs, self.cache_dir)
         self.needs = needs
