@@ -113,8 +113,8 @@ class Dataset:
     def reader(self, shard: int) -> ShardReader:
         """The open reader of shard `shard`, opening (and verifying) it on first use.
 
-        With thread workers, prefer `get_many`: it marks the reader in use so that no other
-        thread closes it while rows are being read."""
+        Prefer `get_many`: it marks the reader in use while rows are read, whereas a reader
+        returned here may be closed by another thread, or when the node cache needs room."""
         with self._using(shard) as reader:
             return reader
 

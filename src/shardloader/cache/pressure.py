@@ -71,13 +71,14 @@ class PressureWatcher:
     def _run(self) -> None:
         seen = self._signal.stamp()
         while not self._stop.wait(POLL_SECONDS):
+            owner = self._owner()
+            if owner is None:  # the cache handle is gone: nothing to release any more
+                return
             stamp = self._signal.stamp()
             if stamp == seen:
+                del owner
                 continue
             seen = stamp
-            owner = self._owner()
-            if owner is None:
-                return
             try:
                 self._release(owner)
             except Exception:  # noqa: BLE001 - a watcher must never die of a reader's error
