@@ -9,12 +9,13 @@ import os
 import threading
 
 import pytest
+import torch
 
 from shardloader import Dataset, Loader
 from shardloader.cache.capacity import CacheNeeds, cache_needs, check_limit, largest_footprint
 from shardloader.errors import CacheFullError
 from shardloader.format.writer import write_shards
-from tests.resume import assert_same_batches, take
+from tests.resume import assert_same_batches, record, take
 from tests.sample_transforms import noisy_crop
 
 SHARDS = 60
@@ -139,10 +140,51 @@ def test_a_limit_under_the_minimum_is_refused_before_the_first_batch(s3_dataset,
     data = tmp_path / "cache" / "data"
     assert not data.exists() or not [f for _, _, fs in os.walk(data) for f in fs]
     run.close()
-    # At the minimum itself, the epoch completes.
-    ok = make_loader(url, s3_server.storage_options(), tmp_path / "cache2", needs.minimum, 4)
-    assert len(take(ok, 5)) == 5
-    ok.close()
+
+
+def test_a_limit_at_the_minimum_completes_the_epoch(s3_dataset, s3_server, unlimited, tmp_path):
+    url, index = s3_dataset
+    needs = cache_needs(largest_footprint(index.shards), readers_per_rank=4, ranks_per_node=1,
+                        prefetch_downloads=1)
+    run = make_loader(url, s3_server.storage_options(), tmp_path / "cache", needs.minimum, 4)
+    assert_same_batches(take(run, STEPS), unlimited, "limit at the minimum, 4 workers")
+    node = run.dataset.source.node_counters()
+    run.close()
+    assert node["high_water"] <= needs.minimum
+    print(f"\nlimit at the minimum ({needs.minimum} B), 4 workers: {node['downloads']} downloads, "
+          f"{node['redownloads']} re-downloads")
+
+
+def test_two_ranks_on_one_node_share_a_cache_at_its_minimum(s3_dataset, s3_server, unlimited, tmp_path,
+                                                             monkeypatch):
+    """Two ranks (world 2) on one node ($LOCAL_WORLD_SIZE=2), each with a worker process and a
+    prefetcher, read one cache of the minimum size; their batches interleave into the one-rank
+    sequence."""
+    url, index = s3_dataset
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    needs = cache_needs(largest_footprint(index.shards), readers_per_rank=1, ranks_per_node=2,
+                        prefetch_downloads=1)
+    assert needs.minimum == 4 * largest_footprint(index.shards)
+    opts = s3_server.storage_options()
+    ranks = [make_loader(url, opts, tmp_path / "cache", needs.minimum, 1, batch_size=BATCH // 2,
+                         rank=r, world_size=2) for r in (0, 1)]
+    with pytest.raises(CacheFullError, match=f"\\({needs.minimum} bytes\\) = \\(2 shard reader"):
+        next(iter(make_loader(url, opts, tmp_path / "cache", needs.minimum - 1, 1, batch_size=BATCH // 2,
+                              rank=0, world_size=2)))
+    iterators = [iter(r) for r in ranks]
+    merged = []
+    for _ in range(STEPS):  # alternate, so that both ranks read at once
+        halves = [next(it) for it in iterators]
+        batch = {}
+        for key in halves[0]:
+            a, b = halves[0][key], halves[1][key]
+            batch[key] = torch.stack([a, b], 1).flatten(0, 1)  # position p went to rank p mod 2
+        merged.append(record(batch))
+    node = ranks[0].dataset.source.node_counters()
+    for r in ranks:
+        r.close()
+    assert_same_batches(merged, unlimited, "two ranks on one node at the minimum")
+    assert node["high_water"] <= needs.minimum
 
 
 def test_fifteen_shards_run_with_nine_tenths_of_their_size(s3_server, tmp_path):
