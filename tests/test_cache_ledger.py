@@ -37,7 +37,7 @@ def test_unreadable_records_are_absent_or_flagged(tmp_path):
 def test_redownloads_and_high_water_are_counted_for_the_node(tmp_path):
     first, second = Ledger(str(tmp_path)), Ledger(str(tmp_path))  # two processes' handles
     assert first.note_download("s", 10) is False
-    first.note_evicted("s", 10)
+    first.note_evicted("s")
     assert second.note_download("s", 10) is True  # downloaded again after an eviction
     assert second.note_download("t", 5) is False
     assert first.node_counters() == {"downloads": 3, "redownloads": 1, "evictions": 1, "bytes_downloaded": 25}

@@ -124,7 +124,9 @@ class Ledger:
         self._db.delete(_key(_RESERVED, name))
 
     # -- history and node-wide counters --------------------------------------------------------
-    def note_evicted(self, name: str, size: int) -> None:
+    def note_evicted(self, name: str) -> None:
+        """Count an eviction and remember it, so that a later download of `name` counts as a
+        re-download."""
         self._db.set(_key(_EVICTED, name), 1)
         self.count("evictions")
 

@@ -22,6 +22,7 @@ import errno
 import fcntl
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 DIR_MODE = 0o700
@@ -76,8 +77,6 @@ def exclusive(path: str, *, on_wait: Callable[[float], None] | None = None) -> I
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            import time
-
             start = time.monotonic()
             fcntl.flock(fd, fcntl.LOCK_EX)
             if on_wait is not None:

@@ -500,7 +500,7 @@ class ShardCache:
             os.unlink(path)
             size += unlink_companions(path)
             self.ledger.forget(name)
-            self.ledger.note_evicted(name, size)
+            self.ledger.note_evicted(name)
             with self._mutex:
                 self.counters["evictions"] += 1
                 self.counters["bytes_evicted"] += size
