@@ -13,18 +13,17 @@ import os
 from collections.abc import Iterator
 
 from shardloader.cache.layout import COMPANION_SUFFIXES, parse_cache_name, temp_owner
-from shardloader.cache.ledger import Entry
+from shardloader.cache.ledger import Entry, Ledger
 from shardloader.cache.locks import close_fd, held_elsewhere, open_fd
 from shardloader.cache.store import ShardCache, hash_file, remove_temps
 
 
-def reconcile(cache: ShardCache) -> None:
-    """Make the ledger agree with the files: add shards it lacks (a process killed between
-    rename and bookkeeping), drop entries whose file is gone, remove companion files whose shard
-    is gone, and remove temp files whose downloader is dead. Runs once per process, when the
-    ledger is first opened."""
-    layout, ledger = cache.layout, cache._ledger
-    assert ledger is not None
+def reconcile(cache: ShardCache, ledger: Ledger) -> None:
+    """Make `ledger` agree with the files of `cache`: add shards it lacks (a process killed
+    between rename and bookkeeping), drop entries whose file is gone, remove companion files
+    whose shard is gone, and remove temp files whose downloader is dead. Runs once per process,
+    when the cache opens its ledger."""
+    layout = cache.layout
     with cache.bookkeeping():
         present: dict[str, os.stat_result] = {}
         for name, path in layout.data_files():

@@ -158,8 +158,9 @@ class ShardCache:
         if self._ledger is None:
             from shardloader.cache.maintenance import reconcile
 
-            self._ledger = Ledger(self.layout.index_dir)
-            reconcile(self)
+            ledger = Ledger(self.layout.index_dir)
+            reconcile(self, ledger)
+            self._ledger = ledger
         return self._ledger
 
     def path_of(self, name: str) -> str:
