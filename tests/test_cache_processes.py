@@ -246,3 +246,44 @@ def test_a_worker_forked_during_a_download_or_a_read_holds_no_lock(nine_shards, 
     finally:
         stop.set()
         child.join(30)
+
+
+def _idle_holder(url, cache, limit, ready, done, results):
+    """Open three shards through a Dataset (their readers stay open, idle, pinning them), then
+    sit idle until told to stop; report this process's counters."""
+    from shardloader.dataset import Dataset
+
+    dataset = Dataset(url, cache_dir=cache, cache_limit=limit, max_open_shards=16)
+    for sample in (0, 20, 40):
+        dataset[sample]
+    ready.set()
+    done.wait(120)
+    results.put(dataset.source.counters())
+    dataset.close()
+
+
+def test_a_reader_short_of_room_gets_the_idle_pins_of_another_process(nine_shards, tmp_path, http_server):
+    ds, index = nine_shards
+    url = http_server(ds).url
+    cache = str(tmp_path / "cache")
+    biggest = max(s.bytes for s in index.shards)
+    limit = int(biggest * 3.5)
+    ready, done, results = SPAWN.Event(), SPAWN.Event(), SPAWN.Queue()
+    child = SPAWN.Process(target=_idle_holder, args=(url, cache, limit, ready, done, results), daemon=True)
+    child.start()
+    try:
+        assert ready.wait(60)
+        src = RemoteSource(url, cache_dir=cache, cache_limit=limit, full_timeout=20)
+        start = time.monotonic()
+        with open(src.local_path(index.shards[3]), "rb") as f:  # room only if the child lets go
+            assert f.read() == open(os.path.join(ds, index.shards[3].path), "rb").read()
+        assert time.monotonic() - start < 10
+        assert src.counters()["full_waits"] == 1 and src.counters()["evictions"] >= 1
+        src.release(index.shards[3])
+        done.set()
+        counters = results.get(timeout=60)
+        assert counters["idle_released"] >= 1
+    finally:
+        done.set()
+        child.join(30)
+    assert child.exitcode == 0

@@ -13,6 +13,8 @@ import stat
 
 import pytest
 
+from shardloader.cache.ledger import Reservation
+from shardloader.cache.maintenance import usage as usage_of
 from shardloader.cache.remote import RemoteSource
 from shardloader.cache.store import cache_name
 from shardloader.dataset import Dataset
@@ -116,7 +118,7 @@ def test_damage_after_this_process_verified_is_caught_on_the_next_open(six_shard
 
 
 def usage(src) -> int:
-    u = src.store.usage()
+    u = usage_of(src.store)
     return u["data_bytes"] + u["tmp_bytes"]
 
 
@@ -194,11 +196,11 @@ def test_leftovers_of_a_dead_downloader_are_removed_and_not_counted(six_shards, 
     name = cache_name(s[1])
     leftover = tmp_path / "tmp" / f"{name}.999999.abcdef.part"
     leftover.write_bytes(b"partial")
-    store.index.set("resv/" + name, {"bytes": s[1].bytes, "pid": 999999})  # no lock holder
+    store.ledger.reserve(name, Reservation(s[1].bytes, 999999))  # no lock holder
     fresh = source(ds, tmp_path, s[0].bytes)
     assert read_and_release(fresh, s[0]) == open(os.path.join(ds, s[0].path), "rb").read()
     assert not leftover.exists()
-    assert store.index.get("resv/" + name) is None
+    assert name not in store.ledger.reservations()
 
 
 def test_a_local_dataset_is_never_copied_or_evicted(six_shards, tmp_path):
@@ -236,3 +238,33 @@ def test_the_cache_limit_does_not_change_what_is_read(six_shards, tmp_path):
             reader.close()
             remote.release(index.shards[shard])
         assert [g["data"] for g in got] == [r["data"] for r in reference]
+
+
+def test_idle_readers_give_up_their_pins_when_a_read_needs_room(six_shards, tmp_path, http_server):
+    """A Dataset keeps up to max_open_shards readers open, each pinning its shard; a read that
+    needs room closes the idle ones instead of failing with CacheFullError."""
+    ds, index = six_shards
+    biggest = max(x.bytes for x in index.shards)
+    remote = Dataset(http_server(ds).url, cache_dir=str(tmp_path), cache_limit=int(biggest * 2.5),
+                     max_open_shards=16)
+    local = Dataset(ds)
+    order = list(range(120)) + list(reversed(range(120)))
+    for i in order:  # one sample at a time: every shard change opens a reader
+        assert remote[i]["data"] == local[i]["data"]
+    counters = remote.source.counters()
+    assert counters["idle_released"] > 0 and counters["evictions"] > 0
+    assert usage(remote.source) <= int(biggest * 2.5)
+    remote.close()
+
+
+def test_a_reader_in_use_is_not_released(six_shards, tmp_path, http_server):
+    ds, index = six_shards
+    biggest = max(x.bytes for x in index.shards)
+    remote = Dataset(http_server(ds).url, cache_dir=str(tmp_path), cache_limit=int(biggest * 1.5),
+                     max_open_shards=16)
+    remote.source.full_timeout = 0.5  # before the first use opens the cache
+    with remote._using(0):  # shard 0 is being read, and only one shard fits
+        with pytest.raises(CacheFullError, match="no room for shard shard-00001.arrow"):
+            remote[30]
+    assert remote[30]["label"] == 30  # once shard 0 is idle, it gives way
+    remote.close()

@@ -178,3 +178,52 @@ def test_a_local_source_has_nothing_to_prefetch(nine_shards):
     handle = LocalSource(ds).start_prefetch(iter(index.shards))
     assert not handle.running and handle.wait(0)
     handle.stop()
+
+
+def test_prefetch_never_evicts_what_no_reader_opened_and_backs_off_while_a_reader_waits(
+        nine_shards, served, tmp_path):
+    from shardloader.errors import CacheFullError
+
+    _, index = nine_shards
+    s = index.shards
+    biggest = max(x.bytes for x in s)
+    src = make_source(served.url, tmp_path, cache_limit=int(biggest * 2.5))
+    store = src.store
+    fetch0, comp0 = src.plan(s[0])
+    fetch1, comp1 = src.plan(s[1])
+    fetch2, comp2 = src.plan(s[2])
+    assert store.ensure(s[0], fetch0, comp0) == "downloaded"
+    assert store.ensure(s[1], fetch1, comp1) == "downloaded"
+    # Two unread prefetched shards fill the cache: a third prefetch is refused, evicting nothing.
+    with pytest.raises(CacheFullError):
+        store.ensure(s[2], fetch2, comp2)
+    assert present(src, s[:3]) == [True, True, False]
+    # Once shard 0 was read, it is what a prefetch may evict.
+    src.local_path(s[0])
+    src.release(s[0])
+    assert store.ensure(s[2], fetch2, comp2) == "downloaded"
+    assert present(src, s[:3]) == [False, True, True]
+    # A reader waiting for room (the pressure signal is fresh) makes every prefetch back off.
+    src.local_path(s[1])
+    src.release(s[1])
+    store.pressure.raise_()
+    fetch3, comp3 = src.plan(s[3])
+    with pytest.raises(CacheFullError, match="a reader is waiting for room"):
+        store.ensure(s[3], fetch3, comp3)
+    assert not present(src, [s[3]])[0]
+
+
+def test_prefetch_leaves_the_readers_their_room(nine_shards, served, tmp_path):
+    from shardloader.errors import CacheFullError
+
+    _, index = nine_shards
+    s = index.shards
+    biggest = max(x.bytes for x in s)
+    src = make_source(served.url, tmp_path, cache_limit=biggest * 3)
+    store = src.store
+    store.reader_reserve = biggest * 3  # e.g. three workers' shards: no room is the prefetch's
+    fetch, comp = src.plan(s[0])
+    with pytest.raises(CacheFullError):
+        store.ensure(s[0], fetch, comp)
+    store.reader_reserve = biggest * 2
+    assert store.ensure(s[0], fetch, comp) == "downloaded"

@@ -51,6 +51,7 @@ class Dataset:
     of field names decodes only those.
     Building a Dataset opens the shards the index lists as empty (a `samples: 0` entry for a
     shard with rows is a ShardError) and refuses an index without samples (DatasetIndexError).
+    Idle readers close early when the node cache needs their room.
     """
 
     def __init__(
@@ -102,6 +103,7 @@ class Dataset:
         self._pid = os.getpid()
         self._thread = threading.local()
         self._in_use: Counter[int] = Counter()
+        self._releaser_registered = False
 
     def shard_wait_seconds(self) -> float:
         """Seconds this thread has spent waiting for shard files to become available (download,
@@ -113,7 +115,7 @@ class Dataset:
     # -- pickling: only the description travels, never open files ------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_readers", "_readers_lock", "_pid", "_thread", "_in_use"):
+        for key in ("_readers", "_readers_lock", "_pid", "_thread", "_in_use", "_releaser_registered"):
             state.pop(key, None)
         return state
 
@@ -182,8 +184,8 @@ class Dataset:
     def reader(self, shard: int) -> ShardReader:
         """The open reader of shard `shard`, opening (and verifying) it on first use.
 
-        With thread workers, prefer `get_many`: it marks the reader in use so that no other
-        thread closes it while rows are being read."""
+        Prefer `get_many`: it marks the reader in use while rows are read, whereas a reader
+        returned here may be closed by another thread, or when the node cache needs room."""
         with self._using(shard) as reader:
             return reader
 
@@ -211,6 +213,7 @@ class Dataset:
                 return reader
             # Close idle readers first, so a process pins at most max_open_shards shards.
             self._close_idle_over_limit(room_for=1)
+            self._register_releaser()
         reader = self._open(shard)
         info = self.index.shards[shard]
         with self._readers_lock:
@@ -264,6 +267,35 @@ class Dataset:
             self._readers.pop(shard).close()
             self.source.release(self.index.shards[shard])
             excess -= 1
+
+    def _register_releaser(self) -> None:
+        """Let the node cache close this process's idle readers when a reader needs room
+        (caller holds the lock; once per process)."""
+        if self._releaser_registered:
+            return
+        self._releaser_registered = True
+        register = getattr(self.source, "add_idle_releaser", None)
+        if register is not None:
+            register(self.release_idle)
+
+    def release_idle(self) -> int:
+        """Close every reader no thread is using now (their shards are unpinned); how many."""
+        if os.getpid() != self._pid:
+            return 0
+        with self._readers_lock:
+            idle = [shard for shard in self._readers if not self._in_use.get(shard)]
+            for shard in idle:
+                self._readers.pop(shard).close()
+                self.source.release(self.index.shards[shard])
+        return len(idle)
+
+    def check_capacity(self, *, num_workers: int) -> None:
+        """Refuse, before anything is read, a cache too small for reading with `num_workers`
+        per rank (a CacheFullError stating the minimum); the Loader calls it when iteration
+        starts. Local datasets have no cache and pass."""
+        check = getattr(self.source, "check_capacity", None)
+        if check is not None:
+            check(self.index, num_workers=num_workers)
 
     def close(self) -> None:
         """Close every open reader of this process."""

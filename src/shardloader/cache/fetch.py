@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardloader.errors import FetchError
-from shardloader.format.checksum import new_hasher, parse_checksum
+from shardloader.format.checksum import checksum_fd, parse_checksum
 
 TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 _PERMANENT_TYPES: tuple[type[BaseException], ...] = (
@@ -280,7 +280,7 @@ def download(
                 pending = failed + pending
                 assert first_error is not None
                 wait_before_retry(first_error)
-        actual = hash_fd(fd, algorithm)
+        actual, _ = checksum_fd(fd, algorithm)
         if actual == checksum:
             stats.seconds = time.monotonic() - start
             return stats
@@ -332,16 +332,6 @@ def _permanent_reason(error: BaseException, lo: int, hi: int, size: int) -> str:
             f"{size} bytes the index records ({describe(error)})"
         )
     return f"permanent error: {describe(error)}"
-
-
-def hash_fd(fd: int, algorithm: str) -> str:
-    """Checksum string of everything in open file `fd` (read with pread; the offset is kept)."""
-    hasher = new_hasher(algorithm)
-    offset = 0
-    while chunk := os.pread(fd, 8 << 20, offset):
-        hasher.update(chunk)
-        offset += len(chunk)
-    return f"{algorithm}:{hasher.hexdigest()}"
 
 
 def read_bytes(

@@ -9,11 +9,14 @@ prefetcher simply fetch (or wait for) the shard themselves.
 
 The window. A shard counts against the window from the moment it is scheduled until a reader
 on this node opens it (the cache records the time of each reader open, which every process can
-see). At most `max_shards` shards and `max_bytes` bytes are in the window, so the prefetcher
-never runs further ahead than the cache budget allows and never evicts shards it fetched before
-they are read. Because shards are needed in the order given, a reader opening a shard also
-retires every shard scheduled before it. When the cache has no room (every other shard pinned
-by readers) a download waits and tries again instead of failing: readers make room as they go.
+see). At most `max_shards` shards and `max_bytes` bytes are in the window (the source caps
+`max_bytes` at this rank's share of what the readers leave free), so the prefetcher never runs
+further ahead than the cache budget allows. Because shards are needed in the order given, a
+reader opening a shard also retires every shard scheduled before it. The readers come first:
+the cache refuses a prefetch download while a reader waits for room, when it would take room
+the readers need, or when only shards no reader has opened yet could make room for it (the
+prefetcher never evicts what it fetched for the readers). A refused download backs off and
+tries again instead of failing: readers make room as they go.
 
 Errors never kill the training loop from here: a shard that cannot be fetched is recorded in
 `errors` and skipped; the reader that needs it fetches it itself and raises the `FetchError`

@@ -20,9 +20,17 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
+from shardloader.cache.capacity import (
+    CacheNeeds,
+    cache_needs,
+    check_limit,
+    largest_footprint,
+    ranks_per_node,
+    readers_per_rank,
+)
 from shardloader.cache.fetch import FetchStats, RetryPolicy, download, filesystem
 from shardloader.cache.prefetch import NoPrefetch, Prefetcher
-from shardloader.cache.store import COUNTER_NAMES, Companion, Fetch, ShardCache
+from shardloader.cache.store import COUNTER_NAMES, Companion, Fetch, Releaser, ShardCache
 from shardloader.errors import UnsafePathError
 from shardloader.format.checksum import parse_checksum
 from shardloader.format.index import ShardInfo
@@ -61,12 +69,13 @@ class RemoteSource:
     """Verified local paths for the shards of a remote dataset, through the node cache.
 
     `cache_limit` is a hard bound in bytes (or a size string) on the shards kept in
-    `cache_dir`. `retry` bounds retries per shard. `chunk_size` and `parallel_ranges` set how a
+    `cache_dir`; it must be at least the minimum `check_capacity` states (one largest shard
+    per reading thread on the node, plus one prefetch download per rank). `retry` bounds retries per shard. `chunk_size` and `parallel_ranges` set how a
     shard is read (ranges of that size, that many at once). `prefetch=False` turns background
     prefetch off (readers then fetch on demand). The prefetch knobs bound the background window: `prefetch_concurrency` downloads at once, at most `prefetch_shards`
     shards and `prefetch_bytes` bytes (default: half the cache limit) scheduled but not yet
-    opened by a reader. `full_timeout` is how long a reader waits for other processes to
-    release shards before `CacheFullError`.
+    opened by a reader; prefetch never takes the room readers need. `full_timeout` is how long
+    a reader waits for other processes to release shards before `CacheFullError`.
     """
 
     def __init__(
@@ -108,12 +117,13 @@ class RemoteSource:
             else self.cache_limit // 2
         )
         self.full_timeout = full_timeout
+        self.needs: CacheNeeds | None = None  # set by check_capacity
         self._reset_process_state()
 
     _CONFIG = (
         "root", "storage_options", "cache_dir", "cache_limit", "retry", "chunk_size",
         "parallel_ranges", "prefetch", "prefetch_concurrency", "prefetch_shards", "prefetch_bytes",
-        "full_timeout",
+        "full_timeout", "needs",
     )
 
     def _reset_process_state(self) -> None:
@@ -123,6 +133,8 @@ class RemoteSource:
         self._fs: Any = None
         self._base = ""
         self._rng = random.Random()
+        self._releasers: list[Releaser] = []
+        self._largest: tuple[Any, int] | None = None  # (index fingerprint, largest footprint)
 
     def __getstate__(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in self._CONFIG}
@@ -140,9 +152,12 @@ class RemoteSource:
             self._reset_process_state()
         with self._lock:
             if self._store_obj is None:
-                self._store_obj = ShardCache(
-                    self.cache_dir, self.cache_limit, full_timeout=self.full_timeout
-                )
+                store = ShardCache(self.cache_dir, self.cache_limit, full_timeout=self.full_timeout)
+                if self.needs is not None:
+                    store.reader_reserve = self.needs.reader_reserve
+                for releaser in self._releasers:
+                    store.add_releaser(releaser)
+                self._store_obj = store
             return self._store_obj
 
     def _filesystem(self) -> tuple[Any, str]:
@@ -207,6 +222,29 @@ class RemoteSource:
         if self._store_obj is not None and self._pid == os.getpid():
             self._store_obj.release(info)
 
+    def add_idle_releaser(self, releaser: Releaser) -> None:
+        """Register this process's reader pool: `releaser()` closes its idle readers (giving up
+        their pins) when a reader on the node needs room."""
+        store = self.store  # resets per-process state first after a fork
+        self._releasers.append(releaser)
+        store.add_releaser(releaser)
+
+    def check_capacity(self, index: Any, *, num_workers: int) -> CacheNeeds:
+        """Refuse (CacheFullError, stating the minimum and what lowers it) a cache limit under
+        what reading `index` with `num_workers` per rank needs on this node (see `capacity.py`);
+        remember the needs so that prefetch leaves readers their room. Called by the Loader
+        when iteration starts, before anything is read."""
+        key = getattr(index, "fingerprint", None)
+        if self._largest is None or self._largest[0] != key or key is None:
+            self._largest = (key, largest_footprint(index.shards))  # O(shards): once per index
+        needs = cache_needs(self._largest[1], readers_per_rank=readers_per_rank(num_workers),
+                            ranks_per_node=ranks_per_node(), prefetch_downloads=int(self.prefetch))
+        check_limit(self.cache_limit, needs, self.cache_dir)
+        self.needs = needs
+        if self._store_obj is not None and self._pid == os.getpid():
+            self._store_obj.reader_reserve = needs.reader_reserve
+        return needs
+
     def start_prefetch(self, shard_infos: Iterable[ShardInfo]) -> Prefetcher | NoPrefetch:
         """Start downloading `shard_infos` (order of first need) in background threads.
 
@@ -214,9 +252,14 @@ class RemoteSource:
         """
         if not self.prefetch:
             return NoPrefetch()
+        window = self.prefetch_bytes
+        if self.needs is not None:  # this rank's share of what readers leave free
+            ranks = max(1, self.needs.downloads)
+            share = (self.cache_limit - self.needs.reader_reserve) // ranks
+            window = max(self.needs.largest, min(window, share))
         return Prefetcher(
             self.store, self.plan, shard_infos, concurrency=self.prefetch_concurrency,
-            max_shards=self.prefetch_shards, max_bytes=self.prefetch_bytes,
+            max_shards=self.prefetch_shards, max_bytes=window,
         ).start()
 
     def counters(self) -> dict[str, float]:
@@ -226,6 +269,13 @@ class RemoteSource:
             return dict.fromkeys(COUNTER_NAMES, 0)
         with self._store_obj._mutex:
             return dict(self._store_obj.counters)
+
+    def node_counters(self) -> dict[str, int]:
+        """Counters of every process that used this cache directory: downloads, redownloads
+        (shards downloaded again after an eviction), evictions, bytes_downloaded, and
+        high_water (the most bytes committed plus reserved at once)."""
+        ledger = self.store.ledger
+        return {**ledger.node_counters(), "high_water": ledger.high_water()}
 
     def close(self) -> None:
         if self._store_obj is not None and self._pid == os.getpid():

@@ -57,9 +57,11 @@ def _open(directory: str):
 
 
 def run_verify(args: argparse.Namespace) -> int:
+    from shardloader.cache.maintenance import verify_all
+
     cache = _open(args.dir)
     good = bad = 0
-    for path, status, detail in cache.verify_all(remove=args.remove):
+    for path, status, detail in verify_all(cache, remove=args.remove):
         if status == "ok":
             good += 1
             if args.verbose:
@@ -73,10 +75,11 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
+    from shardloader.cache.maintenance import usage as cache_usage
     from shardloader.units import format_size
 
     cache = _open(args.dir)
-    usage = cache.usage()
+    usage = cache_usage(cache)
     cache.close()
     print(f"{args.dir}: {usage['files']} shards, {format_size(usage['data_bytes'])} "
           f"({usage['data_bytes']} bytes), {format_size(usage['tmp_bytes'])} in downloads in progress")
@@ -84,10 +87,11 @@ def run_info(args: argparse.Namespace) -> int:
 
 
 def run_prune(args: argparse.Namespace) -> int:
+    from shardloader.cache.maintenance import prune
     from shardloader.units import format_size
 
     cache = _open(args.dir)
-    result = cache.prune(args.to)
+    result = prune(cache, args.to)
     cache.close()
     print(f"evicted {result['evicted']} shards ({format_size(result['bytes_freed'])}); "
           f"{format_size(result['remaining'])} remain")

@@ -8,7 +8,7 @@ indexes written by tools that prefer a cryptographic hash.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import os
 from typing import BinaryIO
 
 import xxhash
@@ -49,13 +49,6 @@ def checksum_bytes(data: bytes | memoryview, algorithm: str = DEFAULT_ALGORITHM)
     return format_checksum(algorithm, hasher.hexdigest())
 
 
-def checksum_chunks(chunks: Iterable[bytes], algorithm: str = DEFAULT_ALGORITHM) -> str:
-    hasher = new_hasher(algorithm)
-    for chunk in chunks:
-        hasher.update(chunk)
-    return format_checksum(algorithm, hasher.hexdigest())
-
-
 def checksum_stream(stream: BinaryIO, algorithm: str = DEFAULT_ALGORITHM) -> tuple[str, int]:
     """Checksum and byte count of everything left in `stream`."""
     hasher = new_hasher(algorithm)
@@ -66,13 +59,21 @@ def checksum_stream(stream: BinaryIO, algorithm: str = DEFAULT_ALGORITHM) -> tup
     return format_checksum(algorithm, hasher.hexdigest()), size
 
 
+def checksum_fd(fd: int, algorithm: str = DEFAULT_ALGORITHM) -> tuple[str, int]:
+    """Checksum and byte count of everything in open file `fd`, read with `pread` (the file
+    offset is left alone, so a descriptor shared with a reader or writer is safe to hash)."""
+    hasher = new_hasher(algorithm)
+    offset = 0
+    while chunk := os.pread(fd, _CHUNK, offset):
+        hasher.update(chunk)
+        offset += len(chunk)
+    return format_checksum(algorithm, hasher.hexdigest()), offset
+
+
 def checksum_file(path: str, algorithm: str = DEFAULT_ALGORITHM) -> tuple[str, int]:
     """Checksum and size of a local file."""
-    with open(path, "rb") as f:
-        return checksum_stream(f, algorithm)
-
-
-def matches(checksum: str, path: str) -> bool:
-    """True when the local file at `path` hashes to `checksum`."""
-    algorithm, _ = parse_checksum(checksum)
-    return checksum_file(path, algorithm)[0] == checksum
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return checksum_fd(fd, algorithm)
+    finally:
+        os.close(fd)

@@ -1,0 +1,160 @@
+"""The cache's ledger: what the node cache holds, reserves and did, in a diskcache database.
+
+The ledger is bookkeeping, not truth: the files under `data/` are the truth, and
+`maintenance.reconcile` makes the ledger agree with them when a process first opens the cache.
+Every read and write of the database goes through this class, with typed records:
+
+* `Entry` per committed shard (bytes with companions, creation time), plus its last access time
+  (LRU order) and its last reader open (the prefetcher's signal that a shard was consumed);
+* `Reservation` per download in flight (bytes, downloader pid, whether it is a prefetch); valid
+  only while the shard's download lock is held (the store drops stale ones);
+* node-wide counters (downloads, re-downloads of shards evicted earlier, evictions) and the
+  high-water mark of committed plus reserved bytes, which proves the limit held.
+
+Writers that change sizes or reservations hold the bookkeeping lock (see `store.py`); the
+database itself is safe for many processes (sqlite).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+_ENTRY, _ATIME, _OPENED, _RESERVED, _EVICTED, _STAT = "entry", "atime", "opened", "resv", "evicted", "stat"
+NODE_COUNTERS = ("downloads", "redownloads", "evictions", "bytes_downloaded")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A committed shard: its bytes (companion files included) and when it was committed."""
+
+    bytes: int
+    created: float
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Room held for a download in flight."""
+
+    bytes: int
+    pid: int
+    prefetch: bool = False
+
+
+def _key(kind: str, name: str) -> str:
+    return f"{kind}/{name}"
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+class Ledger:
+    """Typed access to the cache's diskcache database in `directory`."""
+
+    def __init__(self, directory: str) -> None:
+        import diskcache
+
+        self._db = diskcache.Cache(
+            directory, eviction_policy="none", size_limit=2**62, statistics=False, tag_index=False,
+        )
+
+    def _scan(self, kind: str) -> Iterator[tuple[str, Any]]:
+        prefix = kind + "/"
+        for key in list(self._db.iterkeys()):
+            if isinstance(key, str) and key.startswith(prefix):
+                yield key[len(prefix):], self._db.get(key)
+
+    # -- committed shards ----------------------------------------------------------------------
+    def entries(self) -> dict[str, Entry]:
+        out = {}
+        for name, value in self._scan(_ENTRY):
+            if isinstance(value, dict) and _int(value.get("bytes")) is not None:
+                out[name] = Entry(value["bytes"], float(value.get("created", 0.0)))
+        return out
+
+    def entry(self, name: str) -> Entry | None:
+        value = self._db.get(_key(_ENTRY, name))
+        if isinstance(value, dict) and _int(value.get("bytes")) is not None:
+            return Entry(value["bytes"], float(value.get("created", 0.0)))
+        return None
+
+    def commit(self, name: str, entry: Entry) -> None:
+        """Record a committed shard (replacing its reservation), accessed now."""
+        self._db.set(_key(_ENTRY, name), {"bytes": entry.bytes, "created": entry.created})
+        self._db.set(_key(_ATIME, name), entry.created)
+        self._db.delete(_key(_RESERVED, name))
+
+    def forget(self, name: str) -> None:
+        """Drop everything known about a shard that is no longer cached."""
+        for kind in (_ENTRY, _ATIME, _OPENED):
+            self._db.delete(_key(kind, name))
+
+    def touch(self, name: str, now: float, *, opened: bool = False) -> None:
+        self._db.set(_key(_ATIME, name), now)
+        if opened:
+            self._db.set(_key(_OPENED, name), now)
+
+    def atime(self, name: str) -> float:
+        value = self._db.get(_key(_ATIME, name), 0.0)
+        return float(value) if isinstance(value, (int, float)) else 0.0
+
+    def opened_at(self, name: str) -> float:
+        value = self._db.get(_key(_OPENED, name), 0.0)
+        return float(value) if isinstance(value, (int, float)) else 0.0
+
+    # -- reservations --------------------------------------------------------------------------
+    def reservations(self) -> dict[str, Reservation | None]:
+        """Every reservation; None for a record that cannot be read (to be dropped)."""
+        out: dict[str, Reservation | None] = {}
+        for name, value in self._scan(_RESERVED):
+            if isinstance(value, dict) and _int(value.get("bytes")) is not None:
+                out[name] = Reservation(value["bytes"], int(value.get("pid", 0)), bool(value.get("prefetch")))
+            else:
+                out[name] = None
+        return out
+
+    def reserve(self, name: str, reservation: Reservation) -> None:
+        self._db.set(_key(_RESERVED, name), {
+            "bytes": reservation.bytes, "pid": reservation.pid, "prefetch": reservation.prefetch,
+        })
+
+    def release_reservation(self, name: str) -> None:
+        self._db.delete(_key(_RESERVED, name))
+
+    # -- history and node-wide counters --------------------------------------------------------
+    def note_evicted(self, name: str) -> None:
+        """Count an eviction and remember it, so that a later download of `name` counts as a
+        re-download."""
+        self._db.set(_key(_EVICTED, name), 1)
+        self.count("evictions")
+
+    def note_download(self, name: str, received: int) -> bool:
+        """Count a committed download; True when the shard had been evicted before (a
+        re-download)."""
+        again = self._db.pop(_key(_EVICTED, name), None) is not None
+        self.count("downloads")
+        self.count("bytes_downloaded", received)
+        if again:
+            self.count("redownloads")
+        return again
+
+    def count(self, counter: str, n: int = 1) -> None:
+        self._db.incr(_key(_STAT, counter), n, default=0)
+
+    def node_counters(self) -> dict[str, int]:
+        """Counters of every process that used this cache directory since it was created."""
+        return {c: int(self._db.get(_key(_STAT, c), 0)) for c in NODE_COUNTERS}
+
+    def note_usage(self, total: int) -> None:
+        """Record `total` bytes committed plus reserved (caller holds the bookkeeping lock)."""
+        if total > self.high_water():
+            self._db.set(_key(_STAT, "high_water"), int(total))
+
+    def high_water(self) -> int:
+        """The most bytes ever committed plus reserved at once."""
+        return int(self._db.get(_key(_STAT, "high_water"), 0))
+
+    def close(self) -> None:
+        self._db.close()
