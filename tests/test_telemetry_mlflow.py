@@ -436,3 +436,31 @@ def test_sigkilled_trainer_leaves_no_writer_and_its_run_is_marked_failed(mlflow_
     assert old.info.status == "FAILED"
     assert "ended without closing" in old.data.tags["shardloader.ended"]
     assert client.get_run(new_run).info.status == "FINISHED"
+
+
+EXITS_WITHOUT_CLOSE = textwrap.dedent("""
+    import sys
+    from shardloader.telemetry import BatchRecord, MLflowLogger
+
+    logger = MLflowLogger(tracking_uri=sys.argv[1], experiment="no-close", flush_interval=60)
+    for step in range(25):
+        logger.on_batch(BatchRecord(step=step, epoch=0, rank=0, samples=4, fetch_seconds=step,
+                                    time=1.8e9 + step, read_seconds=0.0, transform_seconds=0.0,
+                                    download_wait_seconds=0.0, queue_depth=0))
+    print(logger.wait_run_id(60), flush=True)
+    # no close(): the interpreter exits with the records still queued (flush_interval 60 s)
+""")
+
+
+def test_script_that_never_closes_delivers_and_finishes_its_run_at_exit(mlflow_local_store):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", EXITS_WITHOUT_CLOSE, mlflow_local_store],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_id = proc.stdout.strip().splitlines()[-1]
+    client = MlflowClient(mlflow_local_store)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, "fetch_seconds"),
+                                              key=lambda m: m.step)] == [
+        (step, float(step)) for step in range(25)]
+    assert time.monotonic() - start < 60

@@ -214,8 +214,13 @@ class MLflowLogger(BackgroundSink):
         """The run's id, waiting at most `timeout` seconds for the delivery side to create or
         find it; None if it is not known by then (the server does not answer) or this rank
         does not log."""
-        if self.run_id is None and self.active:
-            self._run_known.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while self.run_id is None and self.active and self._thread.is_alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wake.set()  # the background thread reads the writer's report when it wakes
+            self._run_known.wait(min(0.05, left))
         return self.run_id
 
     # -- run resolution (constructor, training thread: no network) ----------------------------
