@@ -173,11 +173,12 @@ def test_dead_server_never_blocks_on_batch_and_close_is_bounded(dead_tracking_ur
 
 
 def test_full_queue_drops_and_counts_while_server_hangs(hanging_tracking_server, monkeypatch):
-    # A server that accepts but never answers: the background thread is stuck in log_batch.
+    # A server that accepts but never answers: the background thread is stuck talking to it.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    # A long probe timeout: the delivery side stays stuck on the silent server (probe or call).
     logger = MLflowLogger(run_id="0" * 32, tracking_uri=hanging_tracking_server.url,
                           max_queue=100, flush_interval=0.01, fields=("fetch_seconds",),
-                          process=False)
+                          process=False, probe_timeout=60)
     records = make_records(251)
     logger.on_batch(records[0])
     assert hanging_tracking_server.request_received.wait(timeout=30)
@@ -199,7 +200,8 @@ def test_hanging_server_with_writer_process_is_killed_on_close(hanging_tracking_
                                                                monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     logger = MLflowLogger(run_id="0" * 32, tracking_uri=hanging_tracking_server.url,
-                          max_queue=100, flush_interval=0.01, fields=("fetch_seconds",))
+                          max_queue=100, flush_interval=0.01, fields=("fetch_seconds",),
+                          probe_timeout=60)
     records = make_records(20_000)
     logger.on_batch(records[0])
     assert hanging_tracking_server.request_received.wait(timeout=60)  # the writer is stuck
