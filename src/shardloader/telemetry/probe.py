@@ -26,7 +26,9 @@ def is_local_store(tracking_uri: str) -> bool:
     """Whether `tracking_uri` is a store on this machine's file system (a path, file:, sqlite:
     with a path): talking to it involves no network."""
     parsed = urlparse(tracking_uri)
-    if parsed.scheme in ("", "file"):
+    if parsed.scheme == "":
+        return tracking_uri.split("/")[0] not in ("databricks", "databricks-uc")  # MLflow names
+    if parsed.scheme == "file":
         return True
     return parsed.scheme == "sqlite" and parsed.netloc == ""
 
