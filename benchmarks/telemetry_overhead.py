@@ -4,7 +4,10 @@ The Loader always keeps its StatsAggregator (that is `loader.stats()`); "off" is
 `telemetry=None`, "mlflow" is an `MLflowLogger` (default settings: a writer process)
 writing every step's 11 metrics into a local MLflow store (sqlite in a temp dir: MLflow's
 default kind of store, no server), "mlflow-thread" the same with `process=False` (MLflow's work
-in a thread of the training process), and "jsonl" a `JsonlLogger`. Each repeat iterates one epoch of a small Arrow dataset as fast as the loader
+in a thread of the training process), "mlflow-silent" the default logger against a tracking
+server that accepts connections and never answers (a listening socket nobody reads; the
+logger's constructor time is reported, and it is closed with `close(timeout=3)`), and "jsonl"
+a `JsonlLogger`. Each repeat iterates one epoch of a small Arrow dataset as fast as the loader
 delivers (no training step: the worst case, where telemetry's share is largest), modes
 interleaved so that machine drift hits all of them alike. Reported: median samples/s over the
 repeats, the ratio to "off" (goal >= 0.99) of the medians and of the best runs (the best run
@@ -13,6 +16,7 @@ batch (all its threads: what telemetry takes from training even when throughput 
 records dropped, and how long close() took to deliver what was still queued at the end.
 
 Run: .venv/bin/python -m benchmarks.telemetry_overhead [--repeats 7] [--samples 32768]
+     [--modes mlflow mlflow-silent]
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import statistics
 import tempfile
 import time
@@ -33,7 +38,16 @@ from shardloader.format.writer import write_shards
 from shardloader.loader import Loader
 from shardloader.telemetry import JsonlLogger, MLflowLogger
 
-MODES = ("off", "mlflow", "mlflow-thread", "jsonl")
+MODES = ("off", "mlflow", "mlflow-thread", "mlflow-silent", "jsonl")
+SILENT_CLOSE_TIMEOUT = 3.0
+
+
+def silent_server() -> tuple[socket.socket, str]:
+    """A tracking URI whose TCP connections complete (the kernel's backlog) and never answer."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 def make_dataset(root: str, samples: int) -> str:
@@ -47,21 +61,29 @@ def make_dataset(root: str, samples: int) -> str:
 
 
 def one_epoch(path: str, mode: str, tracking_uri: str, tmp: str, workers: int,
-              batch: int, step_seconds: float) -> tuple[float, int, float, float]:
+              batch: int, step_seconds: float,
+              silent_uri: str = "") -> tuple[float, int, float, float, float]:
     """(seconds for the epoch, records dropped, seconds close() took, training-process CPU
-    seconds during the epoch: all its threads, the telemetry thread included)."""
+    seconds during the epoch: all its threads, the telemetry thread included, seconds the
+    sink's constructor took)."""
     sink = None
-    if mode.startswith("mlflow"):
+    construct = time.perf_counter()
+    if mode == "mlflow-silent":
+        sink = MLflowLogger(tracking_uri=silent_uri, experiment="overhead")
+    elif mode.startswith("mlflow"):
         sink = MLflowLogger(tracking_uri=tracking_uri, experiment="overhead",
                             process=mode == "mlflow")
     elif mode == "jsonl":
         sink = JsonlLogger(os.path.join(tmp, f"t-{time.monotonic_ns()}.jsonl"))
+    construct = time.perf_counter() - construct if sink is not None else 0.0
     loader = Loader(Dataset(path), batch, num_workers=workers, seed=1, telemetry=sink,
                     worker_type="process")
     iterator = iter(loader)
     next(iterator)  # workers started, first shard open: not what we measure
     if sink is not None:
-        sink.flush(60)  # the writer process is up (a one-off cost per run, not per batch)
+        # The writer process is up (a one-off cost per run, not per batch); against the silent
+        # server this returns False once the writer's first probe timed out.
+        sink.flush(60 if mode != "mlflow-silent" else 10)
     start, cpu = time.perf_counter(), time.process_time()
     for _ in iterator:
         if step_seconds:
@@ -71,11 +93,11 @@ def one_epoch(path: str, mode: str, tracking_uri: str, tmp: str, workers: int,
     dropped, close_seconds = 0, 0.0
     if sink is not None:
         t = time.perf_counter()
-        sink.close()
+        sink.close(SILENT_CLOSE_TIMEOUT if mode == "mlflow-silent" else None)
         close_seconds = time.perf_counter() - t
         dropped = sink.dropped
     loader.close()
-    return seconds, dropped, close_seconds, cpu
+    return seconds, dropped, close_seconds, cpu, construct
 
 
 def sink_costs(tmp: str, tracking_uri: str, n: int = 20_000) -> list[list[object]]:
@@ -110,12 +132,16 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                        help="telemetry modes to compare (off is always included)")
     parser.add_argument("--step-ms", type=float, nargs="+", default=[0.0, 5.0],
                         help="simulated training step per batch (0: loader-bound worst case)")
     args = parser.parse_args()
+    modes = ["off"] + [m for m in args.modes if m != "off"]
     logging.getLogger("mlflow").setLevel(logging.WARNING)
     print(f"telemetry overhead: {machine()}; {load_average()}")
-    with tempfile.TemporaryDirectory() as tmp:
+    listener, silent_uri = silent_server()
+    with listener, tempfile.TemporaryDirectory() as tmp:
         path = make_dataset(tmp, args.samples)
         tracking_uri = f"sqlite:///{os.path.join(tmp, 'mlflow.db')}"
         from mlflow import MlflowClient
@@ -128,15 +154,16 @@ def main() -> None:
         for workers in args.workers:
             for step_ms in args.step_ms:
                 step = step_ms / 1000
-                results: dict[str, list[tuple[float, int, float, float]]] = {m: [] for m in MODES}
+                results: dict[str, list[tuple[float, int, float, float, float]]] = {
+                    m: [] for m in modes}
                 one_epoch(path, "mlflow", tracking_uri, tmp, workers, args.batch, step)  # warm-up
                 for _ in range(args.repeats):
-                    for mode in MODES:
+                    for mode in modes:
                         results[mode].append(one_epoch(path, mode, tracking_uri, tmp, workers,
-                                                       args.batch, step))
+                                                       args.batch, step, silent_uri))
                 off = statistics.median(r[0] for r in results["off"])
                 off_best = min(r[0] for r in results["off"])
-                for mode in MODES:
+                for mode in modes:
                     seconds = statistics.median(r[0] for r in results[mode])
                     best = min(r[0] for r in results[mode])
                     cpu_us = statistics.median(r[3] for r in results[mode]) / batches * 1e6
@@ -145,12 +172,14 @@ def main() -> None:
                         f"{off_best / best:.3f}", f"{cpu_us:.0f}",
                         sum(r[1] for r in results[mode]),
                         statistics.median(r[2] for r in results[mode]),
+                        f"{statistics.median(r[4] for r in results[mode]) * 1000:.1f}",
                     ])
         print(f"{args.samples} samples of 128 B, batch {args.batch}, {args.repeats} repeats "
               "(medians)")
         print(table(["workers", "step ms", "telemetry", "batches/s (median)",
                      "ratio to off (medians)", "ratio to off (best runs)",
-                     "train-proc CPU us/batch", "dropped", "close s"], rows))
+                     "train-proc CPU us/batch", "dropped", "close s", "constructor ms"],
+                    rows))
         print(f"load after: {load_average()}")
 
 

@@ -6,6 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 from matplotlib.image import imread
@@ -190,3 +194,19 @@ def test_mlflow_run_report_reads_back_and_logs_artifacts(mlflow_local_store, tmp
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
     assert cli_main.main(["report", "0" * 32, "--tracking-uri", mlflow_local_store]) == 1
     assert f"shardloader report: error: MLflow run {'0' * 32}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("server", ["refusing", "silent"])
+def test_cli_fails_fast_naming_a_server_that_does_not_answer(server, request):
+    uri = (request.getfixturevalue("dead_tracking_uri") if server == "refusing"
+           else request.getfixturevalue("hanging_tracking_server").url)
+    env = dict(os.environ, MLFLOW_TRACKING_URI="")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardloader.cli.main", "report", "0" * 32, "--tracking-uri", uri],
+        capture_output=True, text=True, timeout=120, env=env)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    reason = "connection refused" if server == "refusing" else "no answer within 5 s"
+    assert f"MLflow tracking server {uri} is not answering: {reason}" in proc.stderr
+    assert elapsed < 30, f"took {elapsed:.1f} s"  # start-up and imports included

@@ -1,17 +1,32 @@
 """MLflowLogger against a real `mlflow server` and a local sqlite store: exact readback,
-thinning, batching, rank keys, and a dead or hanging server that never blocks training."""
+thinning, batching, rank keys; a dead, silent or killed server that never blocks training,
+bounded close() that counts what was lost, and a killed trainer that leaves no writer process
+and whose run the next logger marks FAILED."""
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
 import time
+import uuid
 
 import mlflow
 import pytest
 from mlflow import MlflowClient
 
+from shardloader.dataset import Dataset
+from shardloader.format.writer import write_shards
+from shardloader.loader import Loader
 from shardloader.telemetry import BatchRecord, MLflowLogger
 from shardloader.telemetry.mlflow_logger import DEFAULT_FIELDS, LOGGABLE_FIELDS
+from tests.fixtures.data import make_samples
 
 T0 = 1_790_000_000.0
 
@@ -158,11 +173,12 @@ def test_dead_server_never_blocks_on_batch_and_close_is_bounded(dead_tracking_ur
 
 
 def test_full_queue_drops_and_counts_while_server_hangs(hanging_tracking_server, monkeypatch):
-    # A server that accepts but never answers: the background thread is stuck in log_batch.
+    # A server that accepts but never answers: the background thread is stuck talking to it.
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    # A long probe timeout: the delivery side stays stuck on the silent server (probe or call).
     logger = MLflowLogger(run_id="0" * 32, tracking_uri=hanging_tracking_server.url,
                           max_queue=100, flush_interval=0.01, fields=("fetch_seconds",),
-                          process=False)
+                          process=False, probe_timeout=60)
     records = make_records(251)
     logger.on_batch(records[0])
     assert hanging_tracking_server.request_received.wait(timeout=30)
@@ -184,7 +200,8 @@ def test_hanging_server_with_writer_process_is_killed_on_close(hanging_tracking_
                                                                monkeypatch):
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     logger = MLflowLogger(run_id="0" * 32, tracking_uri=hanging_tracking_server.url,
-                          max_queue=100, flush_interval=0.01, fields=("fetch_seconds",))
+                          max_queue=100, flush_interval=0.01, fields=("fetch_seconds",),
+                          probe_timeout=60)
     records = make_records(20_000)
     logger.on_batch(records[0])
     assert hanging_tracking_server.request_received.wait(timeout=60)  # the writer is stuck
@@ -200,3 +217,252 @@ def test_hanging_server_with_writer_process_is_killed_on_close(hanging_tracking_
     assert time.monotonic() - start < 3.0
     assert logger._transport.process.poll() is not None
     assert logger.metrics_logged == 0
+
+
+# -- training speed, close() and lost metrics when the server is silent or dies ---------------
+BATCHES = 150  # timed batches per pass (one more is delivered before the clock starts)
+STEP_SECONDS = 0.002  # stands in for the training step
+SPEED_RATIO = 1.5  # generous: the 2-core test machine is shared; blocking would cost far more
+LOGGER_NAME = "shardloader.telemetry.mlflow_logger"
+
+
+@pytest.fixture
+def small_dataset(tmp_path):
+    path = tmp_path / "ds"
+    write_shards(make_samples((BATCHES + 10) * 4, seed=5, max_bytes=64), path, shard_samples=128)
+    return path
+
+
+def loop_seconds(path, telemetry) -> float:
+    """Seconds a training loop takes for BATCHES batches (after the first) with `telemetry`."""
+    loader = Loader(Dataset(path), 4, num_workers=0, seed=1, telemetry=telemetry)
+    try:
+        batches = iter(loader)
+        next(batches)
+        start = time.perf_counter()
+        for _ in range(BATCHES):
+            next(batches)
+            time.sleep(STEP_SECONDS)
+        return time.perf_counter() - start
+    finally:
+        loader.close()
+
+
+def speed_ratio(path, logger, passes: int = 3) -> float:
+    """Best pass with the logger / best pass without it, passes interleaved (the best pass is
+    the least disturbed by other load on the machine)."""
+    off, on = [], []
+    for _ in range(passes):
+        off.append(loop_seconds(path, None))
+        on.append(loop_seconds(path, logger))
+    return min(on) / min(off)
+
+
+def undelivered_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == LOGGER_NAME and "not delivered" in r.getMessage()]
+
+
+@pytest.mark.parametrize("process", [True, False])
+def test_silent_server_costs_training_nothing_and_close_counts_the_loss(
+        small_dataset, hanging_tracking_server, process, caplog, monkeypatch):
+    # Short MLflow timeouts only so that a blocking constructor fails this test in seconds.
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    caplog.set_level(logging.WARNING, logger=LOGGER_NAME)
+    start = time.perf_counter()
+    logger = MLflowLogger(tracking_uri=hanging_tracking_server.url, experiment="silent",
+                          process=process, flush_interval=0.05)
+    constructed = time.perf_counter() - start
+    assert constructed < 1.0, f"constructor took {constructed:.2f} s"
+    assert hanging_tracking_server.request_received.wait(60)  # the delivery side is trying
+    ratio = speed_ratio(small_dataset, logger)
+    assert ratio < SPEED_RATIO, f"training {ratio:.2f}x slower with telemetry on"
+    start = time.perf_counter()
+    logger.close(timeout=3.0)
+    closed = time.perf_counter() - start
+    assert closed < 4.0, f"close took {closed:.2f} s"
+    assert logger.run_id is None and logger.metrics_logged == 0
+    total = 3 * (BATCHES + 1) * len(DEFAULT_FIELDS)
+    assert logger.counters()["metrics_undelivered"] == total
+    messages = undelivered_warnings(caplog)
+    assert len(messages) == 1 and f"{total} of {total} metric(s)" in messages[0], messages
+    assert hanging_tracking_server.url in messages[0]
+    if process:
+        assert logger._transport.process.poll() is not None
+    print(f"\nsilent server, process={process}: constructor {constructed * 1000:.1f} ms, "
+          f"close {closed:.2f} s (timeout 3 s), speed ratio on/off {ratio:.3f}")
+
+
+def test_server_killed_mid_run(small_dataset, killable_mlflow_server, caplog):
+    caplog.set_level(logging.WARNING, logger=LOGGER_NAME)
+    server = killable_mlflow_server
+    logger = MLflowLogger(tracking_uri=server.url, experiment="killed", flush_interval=0.05)
+    run_id = logger.wait_run_id(60)
+    assert run_id is not None
+    loop_seconds(small_dataset, logger)
+    assert logger.flush(60)
+    per_pass = (BATCHES + 1) * len(DEFAULT_FIELDS)
+    assert logger.metrics_logged == per_pass  # delivered while the server lived
+    server.kill()
+    ratio = speed_ratio(small_dataset, logger)
+    assert ratio < SPEED_RATIO, f"training {ratio:.2f}x slower with telemetry on"
+    start = time.perf_counter()
+    logger.close(timeout=5.0)
+    closed = time.perf_counter() - start
+    assert closed < 6.0, f"close took {closed:.2f} s"
+    assert logger._transport.process.poll() is not None
+    lost = 3 * per_pass  # everything after the kill
+    assert logger.metrics_logged == per_pass
+    assert logger.counters()["metrics_undelivered"] == lost
+    messages = undelivered_warnings(caplog)
+    assert len(messages) == 1 and f"{lost} of {lost + per_pass} metric(s)" in messages[0], messages
+    print(f"\nserver killed mid-run: close {closed:.2f} s (timeout 5 s), "
+          f"speed ratio on/off {ratio:.3f}")
+
+
+# -- a SIGKILLed trainer ----------------------------------------------------------------------
+TRAINER = textwrap.dedent("""
+    import json, multiprocessing, os, sys, time
+    from shardloader.telemetry import BatchRecord, MLflowLogger
+
+    def forked_worker(parent):  # stands in for a loader worker forked after the writer
+        while os.getppid() == parent:
+            time.sleep(0.05)
+
+    logger = MLflowLogger(tracking_uri=sys.argv[1], experiment=sys.argv[2], flush_interval=0.05)
+    for step in range(10):
+        logger.on_batch(BatchRecord(step=step, epoch=0, rank=0, samples=4, fetch_seconds=0.1,
+                                    time=1.8e9 + step, read_seconds=0.0, transform_seconds=0.0,
+                                    download_wait_seconds=0.0, queue_depth=0))
+    assert logger.flush(60)
+    worker = multiprocessing.get_context("fork").Process(target=forked_worker,
+                                                         args=(os.getpid(),))
+    worker.start()
+    socket_inode = os.fstat(logger._transport.conn.fileno()).st_ino
+    print(json.dumps({"run_id": logger.wait_run_id(0), "worker": worker.pid,
+                      "socket": socket_inode}), flush=True)
+    sys.stdin.read()  # until killed
+""")
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rfind(")") + 2:].split()[1])
+        tree.setdefault(ppid, []).append(int(name))
+    return tree
+
+
+def descendants(pid: int) -> set[int]:
+    tree, out, todo = _children(), set(), [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2] not in "ZX"
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
+def socket_links(pid: int) -> set[str]:
+    links = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return {link for link in links if link.startswith("socket:")}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="walks /proc")
+def test_sigkilled_trainer_leaves_no_writer_and_its_run_is_marked_failed(mlflow_server):
+    experiment = f"killed-trainer-{uuid.uuid4().hex[:8]}"
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, mlflow_server, experiment],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    tree: set[int] = set()
+    try:
+        ready, _, _ = select.select([trainer.stdout], [], [], 120)
+        assert ready, "the trainer did not start"
+        info = json.loads(trainer.stdout.readline())
+        tree = descendants(trainer.pid)
+        writers = [pid for pid in tree if b"shardloader.telemetry._mlflow_writer" in cmdline(pid)]
+        assert len(writers) == 1 and info["worker"] in tree, (tree, writers)
+        # The worker forked after the writer started does not hold the trainer's socket end.
+        assert f"socket:[{info['socket']}]" in socket_links(trainer.pid)
+        assert f"socket:[{info['socket']}]" not in socket_links(info["worker"])
+        client = MlflowClient(mlflow_server)
+        assert client.get_run(info["run_id"]).info.status == "RUNNING"
+        trainer.kill()  # SIGKILL: no cleanup runs in the trainer
+        trainer.wait(30)
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in tree if alive(pid)], "processes outlived the trainer"
+    finally:
+        trainer.kill()
+        trainer.wait(30)
+        for pid in tree:  # what the trainer started, should the test have failed
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    # The next logger in the experiment finds the dead trainer's run and marks it FAILED.
+    assert client.get_run(info["run_id"]).info.status == "RUNNING"
+    logger = MLflowLogger(tracking_uri=mlflow_server, experiment=experiment, process=False)
+    new_run = logger.wait_run_id(60)
+    assert new_run is not None and new_run != info["run_id"]
+    logger.close()
+    old = client.get_run(info["run_id"])
+    assert old.info.status == "FAILED"
+    assert "ended without closing" in old.data.tags["shardloader.ended"]
+    assert client.get_run(new_run).info.status == "FINISHED"
+
+
+EXITS_WITHOUT_CLOSE = textwrap.dedent("""
+    import sys
+    from shardloader.telemetry import BatchRecord, MLflowLogger
+
+    logger = MLflowLogger(tracking_uri=sys.argv[1], experiment="no-close", flush_interval=60)
+    for step in range(25):
+        logger.on_batch(BatchRecord(step=step, epoch=0, rank=0, samples=4, fetch_seconds=step,
+                                    time=1.8e9 + step, read_seconds=0.0, transform_seconds=0.0,
+                                    download_wait_seconds=0.0, queue_depth=0))
+    print(logger.wait_run_id(60), flush=True)
+    # no close(): the interpreter exits with the records still queued (flush_interval 60 s)
+""")
+
+
+def test_script_that_never_closes_delivers_and_finishes_its_run_at_exit(mlflow_local_store):
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", EXITS_WITHOUT_CLOSE, mlflow_local_store],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_id = proc.stdout.strip().splitlines()[-1]
+    client = MlflowClient(mlflow_local_store)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    assert [(m.step, m.value) for m in sorted(client.get_metric_history(run_id, "fetch_seconds"),
+                                              key=lambda m: m.step)] == [
+        (step, float(step)) for step in range(25)]
+    assert time.monotonic() - start < 60

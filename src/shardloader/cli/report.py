@@ -4,6 +4,10 @@ RUN is an MLflow run id (metrics written by `MLflowLogger`) or a JSONL telemetry
 (written by `JsonlLogger`). The report is printed as text (or JSON with `--json`); the plot is
 written as PNG and, for an MLflow run, logged with the text and JSON as artifacts of the run
 under `shardloader-report/` (unless `--no-artifact`).
+
+Before reading an MLflow run the tracking server is probed with one short HTTP request
+(`--timeout`, 5 s): a server that refuses connections or never answers fails in seconds with a
+message naming the URI, instead of MLflow's retry loop (minutes).
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1,
                         help="first batches left out of the diagnosis (default: 1)")
     parser.add_argument("--top", type=int, default=5, help="how many slowest batches to list")
+    parser.add_argument("--timeout", type=float, default=5.0,
+                        help="seconds to wait for the tracking server to answer (default: 5)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             fields = None
             title = f"shardloader report: {args.run} (rank {rank})"
         else:
+            check_server(args.tracking_uri, args.timeout)
             records, fields, extra = rpt.records_from_mlflow(
                 args.run, args.tracking_uri, prefix=args.prefix, rank=args.rank)
             title = f"shardloader report: MLflow run {args.run}" + (
@@ -88,6 +95,20 @@ def run(args: argparse.Namespace) -> int:
     if plot_path:
         print(f"plot: {plot_path}", file=sys.stderr)
     return 0
+
+
+def check_server(tracking_uri: str | None, timeout: float) -> None:
+    """Raise TelemetryInputError naming the URI if the tracking server does not answer."""
+    import mlflow
+
+    from shardloader.telemetry.probe import probe
+
+    uri = tracking_uri or mlflow.get_tracking_uri()
+    reason = probe(uri, timeout)
+    if reason is not None:
+        raise TelemetryInputError(
+            f"MLflow tracking server {uri} is not answering: {reason} (is it running? "
+            "give its address with --tracking-uri or MLFLOW_TRACKING_URI)")
 
 
 def _log_artifacts(args: argparse.Namespace, tmp: str, png: str, text: str,

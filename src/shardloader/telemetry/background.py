@@ -102,16 +102,28 @@ class BackgroundSink:
             self._wake.set()
             self._thread.join(max(0.0, deadline - time.monotonic()))
             if self._thread.is_alive():
-                left = sum(1 for item in self._queue if not isinstance(item, _FlushMarker))
-                log.warning(
-                    "%s: close() gave up after %.1f s; %d queued item(s) not delivered "
-                    "(the destination is not answering)", self._thread.name, timeout, left,
-                )
+                self._close_gave_up(timeout)
                 return
         self._on_close()
 
+    def _queued_items(self) -> list[Any]:
+        """What is still queued (flush markers left out)."""
+        return [item for item in list(self._queue) if not isinstance(item, _FlushMarker)]
+
+    def _close_gave_up(self, timeout: float) -> None:
+        """close() ran out of time with the thread still busy: say what was not delivered."""
+        log.warning(
+            "%s: close() gave up after %.1f s; %d queued item(s) not delivered "
+            "(the destination is not answering)", self._thread.name, timeout,
+            len(self._queued_items()),
+        )
+
     # -- consumer side (background thread) ----------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._on_start()
+        except Exception as exc:  # noqa: BLE001
+            self._warn(f"{self._thread.name}: {exc!r}")
         while True:
             self._wake.wait(self.flush_interval)
             self._wake.clear()
@@ -169,6 +181,9 @@ class BackgroundSink:
     # -- subclass hooks -----------------------------------------------------------------------
     def _handle(self, items: list[Any]) -> None:
         raise NotImplementedError
+
+    def _on_start(self) -> None:
+        """Called first on the background thread (e.g. to start a connection)."""
 
     def _idle(self) -> None:
         """Called after every drain (e.g. to retry buffered work)."""

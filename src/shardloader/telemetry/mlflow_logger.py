@@ -11,27 +11,40 @@ microseconds of CPU per metric (protobuf and JSON for a server, SQLAlchemy for a
 which in the training process would hold the GIL for ~1 ms per batch of 11 metrics. With
 `process=False` it runs in the background thread instead.
 
+No network call runs on the training thread: the constructor returns at once whatever the
+tracking server does, and the run is created (or found) by the delivery side. `run_id` is None
+until the delivery side knows it; `wait_run_id(timeout)` waits for it, at most `timeout`
+seconds. (Only a run in a local store, started when neither `run_id` nor `tracking_uri` is
+given, is started on the calling thread, so that it is the thread's active run.)
+
 A tracking server that is down or hangs never stalls or crashes training:
 - when the queue is full, new records are dropped and counted (`dropped`);
-- before talking to an HTTP server the delivery side checks with a quick TCP connect that
-  something listens, so a dead server does not put it into MLflow's retry loop (by default
-  `MLFLOW_HTTP_REQUEST_MAX_RETRIES=7` with exponential backoff, i.e. minutes, and
-  `MLFLOW_HTTP_REQUEST_TIMEOUT=120` s per attempt; lower those environment variables to
-  shorten how long a server that accepts connections but never answers can hold a delivery);
+- before talking to an HTTP server the delivery side sends one short probe (`probe_timeout`),
+  so a dead or silent server does not put it into MLflow's retry loop; the writer process
+  also caps every MLflow request at `request_timeout` seconds with no retries of MLflow's own;
 - metrics that could not be sent stay in a bounded buffer and are retried with backoff (up to
   30 s apart); the oldest are dropped and counted (`metrics_dropped`) when it overflows;
 - `close()` returns within `close_timeout` seconds whatever the server does (a writer process
-  still busy then is killed).
+  still busy then is killed), and warns with the number of metrics not delivered;
+- the writer process dies with the training process (parent-death signal and a parent-pid
+  check) and its socket is closed in every child forked later (loader workers), so a killed
+  trainer leaves nothing behind; its run, left RUNNING, is marked FAILED by the next logger
+  that creates a run in the same experiment on the same machine.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import math
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
+import uuid
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,6 +55,8 @@ from shardloader.telemetry._mlflow_delivery import (
     server_reachable,
 )
 from shardloader.telemetry.background import BackgroundSink
+from shardloader.telemetry.owner import owner_tags
+from shardloader.telemetry.probe import is_local_store
 from shardloader.telemetry.records import LOGGABLE_FIELDS, BatchRecord
 from shardloader.telemetry.sinks import JsonlLogger
 
@@ -56,6 +71,11 @@ DEFAULT_FIELDS: tuple[str, ...] = (
 )
 __all__ = ["DEFAULT_FIELDS", "LOGGABLE_FIELDS", "MLflowLogger", "current_rank",
            "server_reachable"]
+
+# Margins inside close()'s deadline: the writer stops this much earlier, so its final report
+# arrives before the training side gives up on it.
+_WRITER_CLOSE_MARGIN = 0.5
+_REPLY_MARGIN = 0.2
 
 
 def current_rank() -> int:
@@ -74,20 +94,26 @@ class MLflowLogger(BackgroundSink):
     """Logs every batch record (thinned by `every_n_steps`) as MLflow metrics.
 
     Where it logs: `run_id` if given; else the active MLflow run (when `tracking_uri` is not
-    given or is the current one); else it starts a run in `experiment` (the active run of this
-    thread when `tracking_uri` is None, so your own `mlflow.log_*` calls land in it too) and
-    ends it on `close()`. The default store is MLflow's default (local, no server). If the
-    server does not answer at start, the run is created when it does.
+    given or is the current one); else a new run in `experiment`, created by the delivery side
+    (tagged with this process as its owner) and ended (FINISHED) on `close()`. Exception: with
+    neither `run_id` nor `tracking_uri` and MLflow's tracking URI a local store (MLflow's
+    default), the run is started here as this thread's active run, so your own `mlflow.log_*`
+    calls land in it too. `run_id` is None until known; `wait_run_id(timeout)` waits for it.
 
     Ranks: with `all_ranks=False` only rank 0 logs (elsewhere this is a no-op). With
     `all_ranks=True` every rank logs into the same run with keys suffixed `/rank{r}`; when
-    torch.distributed is initialised and no run is given, rank 0 creates the run and broadcasts
-    its id (a collective: every rank constructs its logger at the same point).
+    torch.distributed is initialised and no run is given, rank 0 draws a token and broadcasts
+    it (a collective: every rank constructs its logger at the same point); rank 0's delivery
+    side creates the run tagged with it, the others' find it by that tag.
 
     `fields` are the `BatchRecord` fields logged per batch (metric key = `prefix + field`).
     `jsonl_path` also writes every record to a JSON-lines file (see `JsonlLogger`).
-    Counters: `dropped` (records refused, queue full), `metrics_logged`, `metrics_dropped`
-    (buffer overflow or rejected by the server), `batch_calls` (log_batch calls).
+    Time limits: `close_timeout` bounds `close()` (and `flush()` by default); `probe_timeout`
+    the liveness probe before each delivery attempt; `request_timeout` each MLflow request of
+    the writer process. Counters: `dropped` (records refused, queue full), `metrics_logged`,
+    `metrics_dropped` (buffer overflow or rejected by the server), `batch_calls` (log_batch
+    calls), and in `counters()` `metrics_undelivered` (as of `close()`: every metric handed to
+    the logger and not confirmed delivered).
     """
 
     def __init__(
@@ -106,6 +132,7 @@ class MLflowLogger(BackgroundSink):
         flush_interval: float = 1.0,
         close_timeout: float = 10.0,
         probe_timeout: float = 2.0,
+        request_timeout: float = 10.0,
         rank: int | None = None,
         group: Any = None,
     ) -> None:
@@ -130,12 +157,22 @@ class MLflowLogger(BackgroundSink):
         self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
         self.experiment = experiment
         self.probe_timeout = probe_timeout
+        self.request_timeout = request_timeout
         self.process = process
         self.run_id: str | None = run_id
-        self._owns_run = False  # created here with the client: the delivery side ends it
+        self._run_known = threading.Event()
+        self._owns_run = False  # the delivery side created the run and ends it
+        self._create_run = True  # False: find the run rank 0 creates (all_ranks)
+        self._run_token: str | None = None
+        self._sweep = False  # look for runs left RUNNING by dead trainers
+        self._owner_tags = owner_tags()
+        self._creator_pid = os.getpid()
         self._started_fluent_run = False  # mlflow.start_run on this thread: close() ends it
         self._state: dict[str, Any] = {"metrics_logged": 0, "metrics_dropped": 0,
                                        "metrics_pending": 0, "batch_calls": 0, "healthy": True}
+        self._metrics_refused = 0  # metrics of records the queue refused (full)
+        self._metrics_submitted = 0  # metrics handed to the delivery side
+        self._undelivered: int | None = None  # set by close()
         self._transport: Any = None
         self._flush_deadline = 0.0
         self._close_deadline = 0.0
@@ -143,7 +180,10 @@ class MLflowLogger(BackgroundSink):
         self._jsonl = JsonlLogger(jsonl_path, max_queue=max_queue) if jsonl_path and self.active else None
         if self.active or _broadcast_needed(all_ranks, run_id):
             self._resolve_run(tracking_uri, group)
+        if self.run_id is not None:
+            self._run_known.set()
         if self.active:
+            _LIVE_LOGGERS.add(self)
             self._start()
 
     # -- counters -----------------------------------------------------------------------------
@@ -161,12 +201,29 @@ class MLflowLogger(BackgroundSink):
 
     def counters(self) -> dict[str, int]:
         """Telemetry health: records dropped, metrics logged, dropped and still pending (as of
-        the last flush/close or delivery report), log_batch calls."""
-        return {"records_dropped": self.dropped, "metrics_logged": self.metrics_logged,
-                "metrics_dropped": self.metrics_dropped,
-                "metrics_pending": self._state["metrics_pending"], "batch_calls": self.batch_calls}
+        the last flush/close or delivery report), log_batch calls, and after `close()` the
+        metrics not delivered."""
+        out = {"records_dropped": self.dropped, "metrics_logged": self.metrics_logged,
+               "metrics_dropped": self.metrics_dropped,
+               "metrics_pending": self._state["metrics_pending"], "batch_calls": self.batch_calls}
+        if self._undelivered is not None:
+            out["metrics_undelivered"] = self._undelivered
+        return out
 
-    # -- run resolution (constructor, training thread) ----------------------------------------
+    def wait_run_id(self, timeout: float = 10.0) -> str | None:
+        """The run's id, waiting at most `timeout` seconds for the delivery side to create or
+        find it; None if it is not known by then (the server does not answer) or this rank
+        does not log."""
+        deadline = time.monotonic() + timeout
+        while self.run_id is None and self.active and self._thread.is_alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wake.set()  # the background thread reads the writer's report when it wakes
+            self._run_known.wait(min(0.05, left))
+        return self.run_id
+
+    # -- run resolution (constructor, training thread: no network) ----------------------------
     def _resolve_run(self, tracking_uri: str | None, group: Any) -> None:
         import mlflow
 
@@ -177,42 +234,28 @@ class MLflowLogger(BackgroundSink):
         if _broadcast_needed(self.all_ranks, self.run_id):
             import torch.distributed as dist
 
-            box: list[Any] = [None]
-            if dist.get_rank() == 0:
-                self._create_run_now(fluent=False)
-                box = [self.run_id]
+            box: list[Any] = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(box, src=0, group=group)
-            self.run_id = box[0]
-            if self.run_id is None:
-                log.warning("MLflowLogger: rank 0 could not create an MLflow run; not logging")
-                self.active = False
+            self._run_token = box[0]
+            self._create_run = dist.get_rank() == 0
+            self._sweep = self._create_run
             return
-        if self.run_id is None and not self._create_run_now(fluent=tracking_uri is None):
-            log.warning(
-                "MLflowLogger: tracking server %s is not reachable; the run will be created "
-                "when it answers, and metrics are buffered (bounded) until then",
-                self.tracking_uri,
-            )
+        if self.run_id is None:
+            self._sweep = True
+            if tracking_uri is None and is_local_store(self.tracking_uri):
+                self._start_fluent_run()
 
-    def _create_run_now(self, *, fluent: bool) -> bool:
-        """Create (or start) the run if the server answers; False if it does not."""
-        if not server_reachable(self.tracking_uri, self.probe_timeout):
-            return False
+    def _start_fluent_run(self) -> None:
+        """Start the run as this thread's active run: a local store, so no network."""
         import mlflow
         from mlflow import MlflowClient
 
-        tags = {"shardloader.telemetry": "1"}
-        if fluent:
-            experiment_id = (experiment_id_for(MlflowClient(self.tracking_uri), self.experiment)
-                             if self.experiment is not None else None)
-            run = mlflow.start_run(experiment_id=experiment_id, tags=tags)
-            self._started_fluent_run = True
-        else:
-            client = MlflowClient(self.tracking_uri)
-            run = client.create_run(experiment_id_for(client, self.experiment), tags=tags)
-            self._owns_run = True
+        experiment_id = (experiment_id_for(MlflowClient(self.tracking_uri), self.experiment)
+                         if self.experiment is not None else None)
+        run = mlflow.start_run(experiment_id=experiment_id,
+                               tags={"shardloader.telemetry": "1", **self._owner_tags})
+        self._started_fluent_run = True
         self.run_id = run.info.run_id
-        return True
 
     # -- producer side (training thread) ------------------------------------------------------
     def on_batch(self, record: BatchRecord) -> None:
@@ -222,14 +265,16 @@ class MLflowLogger(BackgroundSink):
             self._jsonl.on_batch(record)
         if self.every_n_steps > 1 and record.step % self.every_n_steps:
             return
-        self._put(record)
+        if not self._put(record):
+            self._metrics_refused += len(self.fields)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
         if not self.active:
             return
         if self._jsonl is not None:
             self._jsonl.log_metrics(metrics, step)
-        self._put(("m", dict(metrics), int(step), int(time.time() * 1000)))
+        if not self._put(("m", dict(metrics), int(step), int(time.time() * 1000))):
+            self._metrics_refused += _finite_count(metrics)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait (at most `timeout` s) until everything so far is in MLflow; False if not."""
@@ -244,33 +289,65 @@ class MLflowLogger(BackgroundSink):
         return ok and self._flush_ok and self._state["metrics_pending"] == 0
 
     def close(self, timeout: float | None = None) -> None:
-        """Deliver what is queued and stop, within about `timeout` (default close_timeout) s."""
+        """Deliver what is queued, end a run the logger created (FINISHED) and stop, within
+        about `timeout` (default `close_timeout`) seconds whatever the server does. Warns with
+        the number of metrics not delivered, if any."""
         if self._closed:
             return
+        _LIVE_LOGGERS.discard(self)
         timeout = self.close_timeout if timeout is None else timeout
         self._close_deadline = time.monotonic() + timeout
         super().close(timeout)
-        if self._transport is not None and self._thread.is_alive():
+        stuck = self._thread.is_alive()
+        if self._transport is not None and stuck:
             self._transport.kill()  # the thread is stuck talking to it: end it
         if self._jsonl is not None:
             self._jsonl.close(max(0.1, self._close_deadline - time.monotonic()))
-        if self._started_fluent_run and self._state.get("healthy") and not self._thread.is_alive():
+        if self._started_fluent_run and self._state.get("healthy") and not stuck:
             import mlflow
 
             active = mlflow.active_run()
             if active is not None and active.info.run_id == self.run_id:
                 mlflow.end_run()
+        if self.active:
+            self._report_undelivered(timeout, stuck)
+
+    def _close_gave_up(self, timeout: float) -> None:
+        """The warning comes from close(), with the count of metrics not delivered."""
+
+    def _report_undelivered(self, timeout: float, stuck: bool) -> None:
+        queued = 0
+        for item in self._queued_items():
+            queued += len(self.fields) if isinstance(item, BatchRecord) else _finite_count(item[1])
+        handed = self._metrics_refused + self._metrics_submitted + queued
+        self._undelivered = max(0, handed - self.metrics_logged)
+        if self._undelivered:
+            why = (f"close() gave up after {timeout:.1f} s" if stuck
+                   else "the tracking server did not take them")
+            log.warning(
+                "MLflowLogger: %d of %d metric(s) were not delivered to %s (%s; %d refused "
+                "at a full queue, %d dropped or rejected by the delivery side)",
+                self._undelivered, handed, self.tracking_uri, why, self._metrics_refused,
+                self.metrics_dropped,
+            )
 
     # -- consumer side (background thread) ----------------------------------------------------
+    def _on_start(self) -> None:
+        self._call("tick")  # starts the delivery side: it creates or finds the run right away
+
     def _handle(self, items: list[Any]) -> None:
         fields = self.fields
         rows: list[tuple[Any, ...]] = []
+        metrics = 0
         for item in items:
             if isinstance(item, BatchRecord):
                 rows.append(("b", item.step, int(item.time * 1000),
                              tuple(getattr(item, name) for name in fields)))
+                metrics += len(fields)
             else:
                 rows.append(item)
+                metrics += _finite_count(item[1])
+        self._metrics_submitted += metrics
         self._call("send", rows)
 
     def _idle(self) -> None:
@@ -284,10 +361,6 @@ class MLflowLogger(BackgroundSink):
             self._flush_ok = self._call("flush", self._flush_deadline)
 
     def _on_stop(self) -> None:
-        if self._transport is None:
-            if not self._owns_run:
-                return
-            self._transport = _ThreadTransport(self._delivery_config())  # just to end the run
         self._call("close", self._close_deadline)
 
     def _call(self, method: str, *args: Any) -> bool:
@@ -308,6 +381,9 @@ class MLflowLogger(BackgroundSink):
         self._state.update(state)
         if state.get("run_id") and self.run_id is None:
             self.run_id = state["run_id"]
+            self._run_known.set()
+        if state.get("owns_run"):
+            self._owns_run = True
         return True
 
     def _delivery_config(self) -> dict[str, Any]:
@@ -317,17 +393,30 @@ class MLflowLogger(BackgroundSink):
             "keys": tuple(self.prefix + f + self.suffix for f in self.fields),
             "suffix": self.suffix, "max_pending": self.max_queue * max(1, len(self.fields)),
             "probe_timeout": self.probe_timeout, "owns_run": self._owns_run,
+            "create_run": self._create_run, "run_token": self._run_token,
+            "owner_tags": self._owner_tags, "sweep": self._sweep,
         }
 
     def _make_transport(self) -> Any:
         config = self._delivery_config()
         if self.process:
             try:
-                return _ProcessTransport(config, self.flush_interval, self.close_timeout)
+                return _ProcessTransport(config, self.flush_interval, self.request_timeout)
             except OSError as exc:
                 log.warning("MLflowLogger: could not start the writer process (%r); "
                             "delivering from this process", exc)
         return _ThreadTransport(config)
+
+
+def _finite_count(metrics: Mapping[str, Any]) -> int:
+    """How many of `metrics` the delivery side logs (non-finite values are skipped)."""
+    count = 0
+    for value in metrics.values():
+        try:
+            count += math.isfinite(float(value))
+        except (TypeError, ValueError):
+            pass
+    return count
 
 
 class _ThreadTransport:
@@ -335,6 +424,7 @@ class _ThreadTransport:
 
     def __init__(self, config: dict[str, Any]) -> None:
         self.delivery = Delivery(**config)
+        self.delivery.start()
 
     def send(self, rows: list[tuple[Any, ...]]) -> dict[str, Any]:
         self.delivery.add(rows)
@@ -350,9 +440,7 @@ class _ThreadTransport:
         return self.delivery.state()
 
     def close(self, deadline: float) -> dict[str, Any]:
-        self.delivery.stopping = True
-        self.delivery.deliver(force=True)
-        self.delivery.finish()
+        self.delivery.close(deadline - _WRITER_CLOSE_MARGIN)
         return self.delivery.state()
 
     def kill(self) -> None:
@@ -360,10 +448,15 @@ class _ThreadTransport:
 
 
 class _ProcessTransport:
-    """Delivery in a writer process (`python -m shardloader.telemetry._mlflow_writer`)."""
+    """Delivery in a writer process (`python -m shardloader.telemetry._mlflow_writer`).
+
+    Started from the logger's background thread, which outlives it (the thread ends only after
+    closing it), so the writer can arm the parent-death signal. Our end of the socket pair is
+    closed in every child forked from this process later (see `_close_in_forked_child`), so
+    only the trainer holds it and the writer sees end-of-file when the trainer is gone."""
 
     def __init__(self, config: dict[str, Any], flush_interval: float,
-                 orphan_seconds: float) -> None:
+                 request_timeout: float) -> None:
         from multiprocessing.connection import Connection
 
         mine, theirs = socket.socketpair()
@@ -372,19 +465,36 @@ class _ProcessTransport:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (package_root, env.get("PYTHONPATH", "")) if p
         )
+        # Every MLflow request of the writer is bounded, and the Delivery retries with its own
+        # backoff instead of MLflow's (7 retries, minutes).
+        env["MLFLOW_HTTP_REQUEST_TIMEOUT"] = str(max(1, math.ceil(request_timeout)))
+        env["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
+        self.forked_copy = False
+        _FORK_CLOSE.add(mine)
+        _FORK_CLOSE.add(theirs)
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "shardloader.telemetry._mlflow_writer",
-                 str(theirs.fileno())],
+                 str(theirs.fileno()), str(os.getpid())],
                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL, env=env, close_fds=True,
             )
         finally:
+            _FORK_CLOSE.discard(theirs)
             theirs.close()
+        _FORK_CLOSE.discard(mine)
         self.conn = Connection(mine.detach())
+        _TRANSPORTS.add(self)
         self.seq = 0
-        self.conn.send({"delivery": config, "flush_interval": flush_interval,
-                        "orphan_seconds": orphan_seconds})
+        self.conn.send({"delivery": config, "flush_interval": flush_interval})
+
+    def abandon(self) -> None:
+        """In a forked child: close our copy of the socket and never touch the writer."""
+        self.forked_copy = True
+        try:
+            self.conn.close()
+        except OSError:
+            pass
 
     def _replies(self) -> list[tuple[Any, ...]]:
         out = []
@@ -420,13 +530,14 @@ class _ProcessTransport:
         return self._wait_for("ack", self.seq, deadline)
 
     def close(self, deadline: float) -> dict[str, Any] | None:
+        writer_left = max(0.1, deadline - time.monotonic() - _WRITER_CLOSE_MARGIN)
         try:
-            self.conn.send(("close",))
-            state = self._wait_for("closed", None, deadline)
-        except OSError:
+            self.conn.send(("close", writer_left))
+            state = self._wait_for("closed", None, deadline - _REPLY_MARGIN)
+        except (OSError, EOFError):
             state = None
         try:
-            self.process.wait(max(0.1, deadline - time.monotonic()))
+            self.process.wait(max(0.1, deadline - _REPLY_MARGIN - time.monotonic()))
         except subprocess.TimeoutExpired:
             log.warning("MLflowLogger: the writer process did not finish in time; killing it")
         self.kill()
@@ -434,9 +545,50 @@ class _ProcessTransport:
         return state
 
     def kill(self) -> None:
+        if self.forked_copy:
+            return
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+# Sockets to close in a child forked while a writer is being started, and live transports,
+# whose socket every forked child closes: a loader worker forked after the writer started must
+# not hold the trainer's end, or the writer would not see end-of-file when the trainer dies.
+_FORK_CLOSE: set[socket.socket] = set()
+_TRANSPORTS: weakref.WeakSet[_ProcessTransport] = weakref.WeakSet()
+
+
+def _close_in_forked_child() -> None:
+    for sock in list(_FORK_CLOSE):
+        try:
+            sock.close()
+        except OSError:
+            pass
+    _FORK_CLOSE.clear()
+    for transport in list(_TRANSPORTS):
+        transport.abandon()
+    _TRANSPORTS.clear()
+    _LIVE_LOGGERS.clear()
+
+
+# Loggers not closed yet: closed (bounded) at interpreter exit, while their daemon threads
+# still run, so a script that never calls close() still delivers and ends its run.
+_LIVE_LOGGERS: weakref.WeakSet[MLflowLogger] = weakref.WeakSet()
+
+
+def _close_live_loggers() -> None:
+    for logger in list(_LIVE_LOGGERS):
+        if logger._creator_pid == os.getpid():
+            try:
+                logger.close()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                log.exception("MLflowLogger: close at exit failed")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_forked_child)
+atexit.register(_close_live_loggers)
 
 
 def _broadcast_needed(all_ranks: bool, run_id: str | None) -> bool:
