@@ -3,8 +3,10 @@
 Order version 2: stratified lanes over a rotated index. With `P = partitions`, `w = window`
 and `L = P * w` lanes:
 
-1. **Rows.** Each shard's rows are permuted by a keyed Feistel permutation of (seed, epoch,
-   shard): which rows of a shard travel together changes every epoch.
+1. **Rows.** Each shard's rows are permuted by a keyed affine map of (seed, epoch, shard),
+   row = (a * i + b) mod size: which rows of a shard travel together changes every epoch. The
+   map is cheap (no cycle walking) and spreads any range of i across the whole shard; the
+   Feistel permutation of step 4 makes the order inside a window uniformly random.
 2. **Lanes.** The shards, in index (write) order and laid end to end, form a circle of N
    samples. It is rotated by a keyed offset of (seed, epoch) and cut into L lanes of equal
    size (±1 sample). A lane is a contiguous stretch of the index: a few whole shards, and
@@ -47,8 +49,8 @@ windows of w consecutive shards):
   w shards per partition and cost O(shards + lanes) memory per epoch.
 
 Nothing here does I/O or holds O(N) memory: an `EpochOrder` keeps O(shards + lanes) arrays and
-maps any batch of positions to sample indices with two Feistel permutations and three binary
-searches per position.
+maps any batch of positions to sample indices with one Feistel permutation, one affine map and
+two binary searches per position (the cost of version 1).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from shardloader.order.keys import (
     derive_key,
     derive_keys,
 )
-from shardloader.order.permute import feistel_permute
+from shardloader.order.permute import affine_keys, affine_permute, feistel_permute
 
 DEFAULT_PARTITIONS = 8
 DEFAULT_WINDOW = 2
@@ -124,7 +126,7 @@ class EpochOrder:
             return
         n, parts, lanes = self.num_samples, settings.partitions, settings.lanes
         self.partition_start = _even_cuts(n, parts)
-        self.row_key = derive_key(TAG_ROWS, self.seed, self.epoch)
+        self.row_mult, self.row_add = affine_keys(sizes, derive_key(TAG_ROWS, self.seed, self.epoch))
         self.window_key = derive_key(TAG_WINDOW, self.seed, self.epoch)
         if n == 0:
             self._set_layout(*(np.zeros(0, dtype=np.int64),) * 4)
@@ -177,8 +179,7 @@ class EpochOrder:
         piece = np.searchsorted(self.piece_start, v, "right") - 1
         shard = self.piece_shard[piece]
         offset = self.piece_row[piece] + (v - self.piece_start[piece])
-        keys = derive_keys(self.row_key, shard)
-        row = feistel_permute(offset, self.shard_sizes[shard], keys)
+        row = affine_permute(offset, self.shard_sizes[shard], self.row_mult[shard], self.row_add[shard])
         return self.shard_offsets[shard] + row
 
     def samples_at(self, positions: np.ndarray) -> np.ndarray:
