@@ -75,6 +75,7 @@ DEFAULT_WINDOW = 2
 # loader state saved under another order version is refused instead of resumed into a different
 # sequence. Bump it whenever samples_at can return something else for the same inputs.
 ORDER_VERSION = 2
+MAX_KEY = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -149,9 +150,25 @@ class EpochOrder:
         shard = np.searchsorted(self.shard_offsets, cuts, "right") - 1
         cuts -= self.shard_offsets[shard]  # now the offset into the shard's permuted rows
         row_start = cuts
-        # 3. Pieces of a lane in a keyed random order: u = rank of the piece within its lane.
-        order = np.lexsort((derive_keys(derive_key(TAG_PIECES, self.seed, self.epoch),
-                                        np.arange(lane.size)), lane))
+        # 3. Pieces of a lane in a keyed random order: u = rank of the piece within its lane,
+        # except the lane's end pieces, which may be parts of shards cut by a lane boundary.
+        # Lanes of several pieces alternate around the circle: one reads its first piece first
+        # and its last piece last, the next the other way round (lanes of one piece do not
+        # count), so the parts of a cut shard are read at the same time in both lanes (both at
+        # the start, or both at the end of the epoch): resident once, not all epoch.
+        piece_keys = derive_keys(derive_key(TAG_PIECES, self.seed, self.epoch), np.arange(lane.size))
+        piece_keys >>= np.uint64(1)
+        piece_keys += np.uint64(1)  # interior pieces: keys in [1, 2**63]
+        head = np.ones(lane.size, dtype=bool)
+        head[1:] = lane[1:] != lane[:-1]
+        tail = np.ones(lane.size, dtype=bool)
+        tail[:-1] = lane[1:] != lane[:-1]
+        multi = np.bincount(lane, minlength=lanes) > 1
+        odd = ((np.cumsum(multi) - multi) & 1).astype(bool)[lane]
+        first, last = np.uint64(0), np.uint64(MAX_KEY)
+        piece_keys[tail] = np.where(odd[tail], first, last)
+        piece_keys[head] = np.where(odd[head], last, first)  # a lane of one piece: either way
+        order = np.lexsort((piece_keys, lane))
         u = np.empty(lane.size, dtype=np.int64)
         u[order] = np.arange(lane.size) - np.searchsorted(lane[order], lane[order], "left")
         # 4. Layout: partition-major, then window u, then the lane's place i in the partition.
