@@ -11,7 +11,9 @@ Sources, detected from `src` (a local path):
   ``__key__`` is kept as a string field);
 - a shardloader dataset (a folder with ``index.json``), to re-shard it.
 
-Samples stream through `write_shards`, so memory stays flat whatever the source size.
+Samples stream through `write_shards`, so memory stays flat whatever the source size. They are
+written in a seeded random order unless `shuffle=False` (see `convert`), with the source
+position of each in the field ``source_index``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from shardloader.format.index import INDEX_NAME
 from shardloader.format.schema import arrow_type, batch_records, check_schema, schema_names
 from shardloader.format.tar import TarShardReader
 from shardloader.format.writer import write_shards
+from shardloader.source import is_local, strip_file_scheme
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
 _PARQUET_BATCH = 1024
@@ -175,12 +178,19 @@ def detect_source(src: str) -> Source:
 
 def convert(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], *, progress: bool = True,
-    **writer_options: Any,
+    shuffle: bool = True, seed: int = 0, **writer_options: Any,
 ) -> dict[str, Any]:
     """Convert `src` into shards at `dst` with `write_shards(**writer_options)`.
 
-    Returns a summary: source kind, samples, shards, bytes, fingerprint, seconds, and the files
-    skipped (image folders: files that are not images).
+    By default the samples are written in a seeded random order (`shuffle=True`, `seed`), each
+    with its position in the source order in the int64 field ``source_index``: sources are
+    usually sorted (an image folder class by class), and shards that each hold one class cannot
+    be mixed by a loader that keeps only a few shards resident. `shuffle=False` keeps the source
+    order. Shuffling a source read as a stream (Parquet, tars) first copies it to a temporary
+    dataset next to `dst` (or in the system's temporary folder for a remote `dst`).
+
+    Returns a summary: source kind, samples, shards, bytes, fingerprint, seconds, the order
+    (shuffled and seed), and the files skipped (image folders: files that are not images).
     """
     src, dst = os.fspath(src), os.fspath(dst)
     start = time.perf_counter()
@@ -188,6 +198,10 @@ def convert(
     if source.schema is not None:
         writer_options.setdefault("schema", source.schema)
     samples: Iterable[dict[str, Any]] = _Sized(source.samples, source.count)
+    if shuffle:
+        writer_options.update(shuffle=True, seed=seed)
+        if is_local(dst):
+            writer_options.setdefault("workdir", os.path.dirname(os.path.abspath(strip_file_scheme(dst))))
     index = write_shards(samples, dst, progress=progress, **writer_options)
     return {
         "source": src,
@@ -199,5 +213,7 @@ def convert(
         "bytes": index.total_bytes,
         "fingerprint": index.fingerprint,
         "seconds": round(time.perf_counter() - start, 3),
+        "shuffled": shuffle,
+        "seed": seed if shuffle else None,
         "skipped": source.skipped,
     }

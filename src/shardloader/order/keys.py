@@ -61,3 +61,4 @@ TAG_SAMPLE = 3
 TAG_ROTATE = 4
 TAG_ROWS = 5
 TAG_PIECES = 6
+TAG_WRITE = 7  # the order `write_shards(shuffle=True)` writes samples in
