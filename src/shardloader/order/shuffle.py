@@ -12,7 +12,9 @@ and `L = P * w` lanes:
    size (±1 sample). A lane is a contiguous stretch of the index: a few whole shards, and
    pieces of shards at its ends.
 3. **Pieces.** Inside a lane, its pieces (the parts of shards it holds) are visited in a keyed
-   random order.
+   random order, except its two end pieces: a shard cut by a lane boundary has a piece in
+   each lane, and both are read at the same time (both first or both last, alternating around
+   the circle), so it is resident once rather than from the start to the end of the epoch.
 4. **Partitions and windows.** Partition k owns the lanes k, k + P, ..., k + (w - 1) P, spread
    evenly around the circle. Its window u holds the u-th piece of each of its lanes; the samples
    of a window are permuted by a keyed Feistel permutation. Only a window's pieces (at most w
@@ -31,11 +33,12 @@ windows of w consecutive shards):
   resident when it is drawn (P * w of them with one rank). When the index is sorted — an image
   folder written class by class, a log written by time — neighbouring shards hold alike samples,
   so the resident shards should be as far apart in the index as possible. The L lanes are L
-  strata of the index, one resident piece each: the batch is a stratified sample of the whole
-  dataset, which for sorted data covers as many classes as a uniform shuffle (stratified
-  sampling is never worse than simple random sampling of the same size), and for shuffled data
-  changes nothing. Version 1 held P random places of the index, w neighbouring shards each,
-  and reached 0.85 of a uniform shuffle's classes per batch on class-sorted shards.
+  strata of the index, one resident piece each (a random one of its stratum): the batch is a
+  stratified sample of the whole dataset. On class-sorted shards it holds 0.97-1.0 of a
+  uniform shuffle's distinct classes (`benchmarks/mixing.py`; version 1, which held P random
+  places of the index with w neighbouring shards each, reached 0.85); on shuffled shards it
+  changes nothing. Evenly spaced places could coincide with a periodic layout (shard s holding
+  class s mod L); a random place per stratum cannot.
 - **Every rank sees every sample.** The rotation moves the lane boundaries every epoch, and the
   row permutation changes which rows of a shard share a lane, so a sample lands in a uniformly
   random lane, hence partition, hence rank, each epoch — as with torch's `DistributedSampler`.
@@ -46,7 +49,10 @@ windows of w consecutive shards):
   so its epoch is a uniform random permutation in effect.
 - The unit of the shuffle stays the shard piece (not fixed-size blocks): blocks would multiply
   the resident shards by the number of blocks open at once, while pieces keep the budget at
-  w shards per partition and cost O(shards + lanes) memory per epoch.
+  w shards per partition and cost O(shards + lanes) memory per epoch. The price: with W ranks
+  a rank's own batch draws from ceil(P / W) * w shards, so at W = 8 a class-sorted dataset
+  gives each rank's batch 2 shards' classes (the global batch still mixes). Shards written in
+  a random order (`shardloader convert`'s default) mix under any W.
 
 Nothing here does I/O or holds O(N) memory: an `EpochOrder` keeps O(shards + lanes) arrays and
 maps any batch of positions to sample indices with two Feistel permutations and two binary
