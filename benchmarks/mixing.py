@@ -15,8 +15,7 @@ Columns, per rank batch (averaged over ranks, batches and epochs):
 - resident: the shards a rank must keep at once to download each shard at most once per epoch
   (the most shards open at any step, a shard being open from its first to its last read by the
   rank), max over ranks and epochs: the cache a rank needs. The design budget of shardloader's
-  order is ceil(partitions / W) * window shards per rank (16 / 8 / 2 by default); shards split
-  at lane ends are read in two visits, and count as open in between.
+  order is ceil(partitions / W) * window shards per rank (16 / 8 / 2 by default).
 
 Orders compared:
 - shardloader: this library's `EpochOrder` (defaults: partitions 8, window 2).

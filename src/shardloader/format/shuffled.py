@@ -33,7 +33,11 @@ from shardloader.order.keys import TAG_WRITE, derive_key
 from shardloader.order.permute import feistel_permute
 
 DEFAULT_INDEX_FIELD = "source_index"
-_CHUNK = 1024  # samples read per call to the temporary dataset
+_CHUNK = 4096  # samples read per call to the temporary dataset
+# The temporary copy: large shards, all kept open, so that reading it in random order touches
+# memory maps, not file opens (2 GiB x 128 covers 256 GiB before readers are reopened).
+_SPILL_SHARD_BYTES = 2 << 30
+_SPILL_OPEN_SHARDS = 128
 
 
 def write_permutation(n: int, seed: int, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -106,8 +110,9 @@ def shuffled_samples(
     try:
         spill = os.path.join(temp, "source-order")
         indexed = (_with_index(s, index_field, i) for i, s in enumerate(itertools.chain([first], stream)))
-        index = write_shards(indexed, spill, schema=out_schema)
-        dataset = Dataset(spill, verify=False)  # written just now by this process
+        index = write_shards(indexed, spill, schema=out_schema, shard_bytes=_SPILL_SHARD_BYTES)
+        # written just now by this process: no need to verify its checksums again
+        dataset = Dataset(spill, verify=False, max_open_shards=_SPILL_OPEN_SHARDS)
         try:
             n = len(dataset)
 
