@@ -55,7 +55,7 @@ def derive_keys(base: int, parts: np.ndarray) -> np.ndarray:
 
 
 # Tags keep the key spaces of different uses apart.
-TAG_SHARDS = 1
+TAG_SHARDS = 1  # order version 1's shard permutation; kept so the value is never reused
 TAG_WINDOW = 2
 TAG_SAMPLE = 3
 TAG_ROTATE = 4

@@ -5,8 +5,8 @@
 covering n, with cycle walking to stay inside [0, n). It needs O(1) memory and time per element,
 which is what lets the loader compute any position of an epoch without an O(N) array.
 
-`keyed_permutation(n, key)` materialises a whole permutation (sorting keyed hashes); the order
-module uses it only for the shard order (O(shards), not O(samples)).
+`keyed_permutation(n, key)` materialises a whole permutation (sorting keyed hashes): O(n)
+memory, for small n or reference computations (tests, benchmarks), never per epoch of samples.
 """
 
 from __future__ import annotations
