@@ -144,9 +144,10 @@ class EpochOrder:
         # 2. The circle (index order) rotated by rho; lanes are equal cuts of the rotated circle.
         rho = derive_key(TAG_ROTATE, self.seed, self.epoch) % n if nonempty.size > 1 else 0
         lane_start = _even_cuts(n, lanes)
-        cuts = np.unique(np.concatenate([lane_start[:-1], (self.shard_offsets[nonempty] - rho) % n]))
+        cuts = np.concatenate([lane_start[:-1], (self.shard_offsets[nonempty] - rho) % n])
         del nonempty
-        lengths = np.diff(np.append(cuts, n))
+        cuts.sort()
+        lengths = np.diff(np.append(cuts, n))  # repeated cuts give empty pieces, dropped next
         keep = lengths > 0
         cuts, lengths = cuts[keep], lengths[keep]
         del keep
