@@ -81,7 +81,7 @@ DEFAULT_WINDOW = 2
 # loader state saved under another order version is refused instead of resumed into a different
 # sequence. Bump it whenever samples_at can return something else for the same inputs.
 ORDER_VERSION = 2
-MAX_KEY = (1 << 64) - 1
+_LAST_KEY = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ class EpochOrder:
         tail[:-1] = lane[1:] != lane[:-1]
         multi = np.bincount(lane, minlength=lanes) > 1
         odd = ((np.cumsum(multi) - multi) & 1).astype(bool)[lane]
-        first, last = np.uint64(0), np.uint64(MAX_KEY)
+        first, last = np.uint64(0), np.uint64(_LAST_KEY)
         piece_keys[tail] = np.where(odd[tail], first, last)
         piece_keys[head] = np.where(odd[head], last, first)  # a lane of one piece: either way
         order = np.lexsort((piece_keys, lane))
