@@ -21,6 +21,7 @@ BENCHMARKS = {
     "read_rows": ["-m", "benchmarks.read_rows"],
     "decode": ["-m", "benchmarks.decode"],
     "resume_cost": ["-m", "benchmarks.resume_cost"],
+    "mixing": ["-m", "benchmarks.mixing"],
     "throughput": ["-m", "benchmarks.throughput"],
     "peers": ["-m", "benchmarks.peers"],
     "cache": ["-m", "benchmarks.cache"],

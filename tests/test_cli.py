@@ -33,11 +33,15 @@ def test_console_script_convert_inspect_verify(image_folder, tmp_path):
     assert done.returncode == 0, done.stderr
     info = json.loads(done.stdout)
     assert info["samples"] == 12 and info["shards"] == 3 and info["formats"] == {"arrow": 3}
-    assert info["schema"] == {"class": "string", "filename": "string", "image": "binary", "label": "int64"}
+    assert info["schema"] == {"class": "string", "filename": "string", "image": "binary", "label": "int64",
+                              "source_index": "int64"}
     assert info["fingerprint"] == Dataset(out).index.fingerprint
 
     ds = Dataset(out)
-    records = ds.get_many(range(12))
+    written = ds.get_many(range(12))  # shuffled by default; source_index recovers the source order
+    assert [r["source_index"] for r in written] != list(range(12))
+    assert sorted(r["source_index"] for r in written) == list(range(12))
+    records = sorted(written, key=lambda r: r["source_index"])
     assert [r["filename"] for r in records] == image_folder.files
     assert [r["label"] for r in records] == [i // 4 for i in range(12)]
     assert [r["class"] for r in records] == [image_folder.classes[i // 4] for i in range(12)]
@@ -88,11 +92,18 @@ def test_index_then_convert_parquet_and_tar(parquet_dataset, tar_dataset, tmp_pa
                  "--shard-bytes", "20KB"]) == 0
     ds = Dataset(tmp_path / "from-tar")
     assert ds.index.num_shards > 1
-    assert [{k: v for k, v in r.items() if k != "__index__"} for r in ds.get_many(range(150))] == \
+    written = ds.get_many(range(150))  # shuffled through a temporary copy: tars are streams
+    by_source = sorted(written, key=lambda r: r["source_index"])
+    assert [r["source_index"] for r in by_source] == list(range(150))
+    assert [{k: v for k, v in r.items() if k not in ("__index__", "source_index")} for r in by_source] == \
         tar_dataset.samples
+    assert [r["__key__"] for r in written] != [s["__key__"] for s in tar_dataset.samples]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".shardloader-shuffle-")]
 
     src = os.path.join(parquet_dataset.path, "part-1.parquet")
-    assert main(["convert", src, str(tmp_path / "from-pq"), "--no-progress", "--format", "tar"]) == 0
+    assert main(["convert", src, str(tmp_path / "from-pq"), "--no-progress", "--format", "tar",
+                 "--keep-order"]) == 0
+    assert "order    source order" in capsys.readouterr().out
     ds = Dataset(tmp_path / "from-pq")
     expected = pq.read_table(src).to_pylist()
     got = ds.get_many(range(50))
@@ -105,10 +116,13 @@ def test_convert_parquet_keeps_types(tmp_path, capsys):
 
     table = pa.table({"x": pa.array([1, 2, 3], pa.int16()), "y": pa.array([0.5, 1.5, 2.5], pa.float32())})
     pq.write_table(table, tmp_path / "t.parquet")
-    assert main(["convert", str(tmp_path / "t.parquet"), str(tmp_path / "out"), "--no-progress"]) == 0
+    assert main(["convert", str(tmp_path / "t.parquet"), str(tmp_path / "out"), "--no-progress",
+                 "--seed", "3"]) == 0
+    assert "order    shuffled (seed 3; source_index holds the source position)" in capsys.readouterr().out
     ds = Dataset(tmp_path / "out")
-    assert dict(ds.index.schema) == {"x": "int16", "y": "float32"}
-    assert [(r["x"], r["y"]) for r in ds.get_many([2, 0])] == [(3, 2.5), (1, 0.5)]
+    assert dict(ds.index.schema) == {"x": "int16", "y": "float32", "source_index": "int64"}
+    rows = sorted(ds.get_many(range(3)), key=lambda r: r["source_index"])
+    assert [(r["x"], r["y"]) for r in rows] == [(1, 0.5), (2, 1.5), (3, 2.5)]
 
 
 def test_convert_refuses_existing_and_reports_skipped(image_folder, tmp_path, capsys):

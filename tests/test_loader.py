@@ -15,6 +15,7 @@ import torch
 from shardloader import Dataset, Loader
 from shardloader.errors import StateError, WorkerError
 from shardloader.format.writer import write_shards
+from shardloader.order import ORDER_VERSION
 from tests.resume import assert_exact_resume, record, take
 from tests.sample_transforms import make_samples as _samples
 from tests.sample_transforms import noisy_crop
@@ -130,6 +131,26 @@ def test_mismatched_fingerprint_is_rejected(dataset_dir, change, field):
         warnings.simplefilter("always")
         other.load_state_dict(state, strict=False)
     assert any(field in str(w.message) for w in caught)
+
+
+def test_state_of_another_order_version_is_refused(dataset_dir):
+    """A change of the order algorithm changes the fingerprint: a state saved by a release with
+    another order (order version 1 states carry no "order" field) is refused with a message
+    naming both versions, never resumed into a different sequence."""
+    loader = make(dataset_dir)
+    take(loader, 2)
+    state = loader.state_dict()
+    assert state["fingerprint"]["order"] == ORDER_VERSION == 2
+    old = {**state, "fingerprint": {k: v for k, v in state["fingerprint"].items() if k != "order"}}
+    with pytest.raises(StateError, match="saved with order version 1, this loader computes order version 2"):
+        make(dataset_dir).load_state_dict(old)
+    newer = {**state, "fingerprint": {**state["fingerprint"], "order": 3}}
+    with pytest.raises(StateError, match="order version 3"):
+        make(dataset_dir).load_state_dict(newer)
+    resumed = make(dataset_dir)
+    with pytest.warns(UserWarning, match="order version 1"):
+        resumed.load_state_dict(old, strict=False)  # explicit override: same position, new order
+    assert resumed.state_dict()["position"] == state["position"]
 
 
 def test_dataset_changed_under_saved_state(tmp_path, dataset_dir):

@@ -27,6 +27,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="samples per shard, at most")
     parser.add_argument("--format", choices=("arrow", "tar"), default="arrow",
                         help="shard format to write (default: arrow)")
+    parser.add_argument("--keep-order", action="store_true",
+                        help="write samples in the source order (default: a seeded random order, "
+                        "with each sample's source position in the field source_index)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random write order (default: 0)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace a dataset already in DST")
     parser.add_argument("--allow-empty", action="store_true",
@@ -45,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
         args.src, args.dst, progress=not args.no_progress and sys.stderr.isatty(), shard_bytes=args.shard_bytes,
         shard_samples=args.shard_samples, format=args.format, overwrite=args.overwrite,
         allow_empty=args.allow_empty,
+        shuffle=not args.keep_order, seed=args.seed,
     )
     if args.json:
         print(json.dumps(summary, indent=1, ensure_ascii=False))
@@ -53,6 +59,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"  samples  {summary['samples']}")
     print(f"  shards   {summary['shards']} ({summary['format']})")
     print(f"  bytes    {format_size(summary['bytes'])} ({summary['bytes']})")
+    order = (f"shuffled (seed {summary['seed']}; source_index holds the source position)"
+             if summary["shuffled"] else "source order")
+    print(f"  order    {order}")
     print(f"  seconds  {summary['seconds']}")
     if summary["skipped"]:
         shown = ", ".join(summary["skipped"][:5])

@@ -18,7 +18,9 @@ Sources, detected from `src` (a local path):
   string field;
 - a shardloader dataset (a folder with ``index.json``), to re-shard it (tar shards as above).
 
-Samples stream through `write_shards`, so memory stays flat whatever the source size.
+Samples stream through `write_shards`, so memory stays flat whatever the source size. They are
+written in a seeded random order unless `shuffle=False` (see `convert`), with the source
+position of each in the field ``source_index``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from shardloader.format.schema import arrow_type, batch_records, check_schema, s
 from shardloader.format.tar import TarShardReader
 from shardloader.format.wds_decode import decode_record, extension, scalar_fields
 from shardloader.format.writer import write_shards
+from shardloader.source import is_local, strip_file_scheme
 
 # torchvision's IMG_EXTENSIONS, so that the same files become samples as with its ImageFolder.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -268,16 +271,23 @@ def detect_source(src: str, *, allow_empty: bool = False) -> Source:
 
 def convert(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], *, progress: bool = True,
-    allow_empty: bool = False, **writer_options: Any,
+    allow_empty: bool = False, shuffle: bool = True, seed: int = 0, **writer_options: Any,
 ) -> dict[str, Any]:
     """Convert `src` into shards at `dst` with `write_shards(**writer_options)`.
+
+    By default the samples are written in a seeded random order (`shuffle=True`, `seed`), each
+    with its position in the source order in the int64 field ``source_index``: sources are
+    usually sorted (an image folder class by class), and shards that each hold one class cannot
+    be mixed by a loader that keeps only a few shards resident. `shuffle=False` keeps the source
+    order. Shuffling a source read as a stream (Parquet, tars) first copies it to a temporary
+    dataset next to `dst` (or in the system's temporary folder for a remote `dst`).
 
     `allow_empty`: an image folder may hold class folders without images (their labels stay
     unused); by default that is an error naming them. An error about one sample names the
     source file (and row or key) it came from.
 
-    Returns a summary: source kind, samples, shards, bytes, fingerprint, seconds, and the files
-    skipped (image folders: files that are not images).
+    Returns a summary: source kind, samples, shards, bytes, fingerprint, seconds, the order
+    (shuffled and seed), and the files skipped (image folders: files that are not images).
     """
     src, dst = os.fspath(src), os.fspath(dst)
     start = time.perf_counter()
@@ -293,6 +303,10 @@ def convert(
                         "default) to keep it"
                     )
     samples: Iterable[dict[str, Any]] = _Sized(source.samples, source.count)
+    if shuffle:
+        writer_options.update(shuffle=True, seed=seed)
+        if is_local(dst):
+            writer_options.setdefault("workdir", os.path.dirname(os.path.abspath(strip_file_scheme(dst))))
     try:
         index = write_shards(samples, dst, progress=progress, **writer_options)
     except SchemaError as e:  # about one sample: say which file it came from
@@ -309,5 +323,7 @@ def convert(
         "bytes": index.total_bytes,
         "fingerprint": index.fingerprint,
         "seconds": round(time.perf_counter() - start, 3),
+        "shuffled": shuffle,
+        "seed": seed if shuffle else None,
         "skipped": source.skipped,
     }

@@ -35,6 +35,7 @@ from shardloader.format.schema import (
     value_fits,
     value_nbytes,
 )
+from shardloader.format.shuffled import DEFAULT_INDEX_FIELD, shuffled_samples
 from shardloader.format.tar import (
     KEY_FIELD,
     OFFSETS_KEY,
@@ -202,13 +203,30 @@ def write_shards(
     progress: bool = False,
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+    source_index_field: str | None = DEFAULT_INDEX_FIELD,
+    workdir: str | None = None,
 ) -> Index:
     """Write `samples` as shards plus `index.json` into directory `out` (path or fsspec URL).
 
     Shards are named ``shard-00000.<arrow|tar>``; a tar shard also gets an offsets sidecar
     ``shard-00000.tar.idx``. Refuses a directory that already holds an `index.json` unless
     `overwrite`. On error, the shards written so far are removed and no index is written.
+
+    `shuffle=True` writes the samples in a seeded random order (a pure function of the sample
+    count and `seed`) and stores each one's input position in the int64 field
+    `source_index_field` (None: not stored), so that any read order mixes them even when the
+    input is sorted (see `shardloader.format.shuffled`). A sequence is read by index; any
+    other iterable is first copied to a temporary dataset under `workdir`.
     """
+    if shuffle:
+        _refuse_existing(out, overwrite, storage_options)
+        with shuffled_samples(samples, seed, index_field=source_index_field, schema=schema,
+                              workdir=workdir) as (ordered, ordered_schema):
+            return write_shards(ordered, out, shard_bytes=shard_bytes, shard_samples=shard_samples,
+                                format=format, schema=ordered_schema, progress=progress,
+                                overwrite=overwrite, storage_options=storage_options)
     if format not in WRITE_FORMATS:
         raise ValueError(f"format must be one of {', '.join(WRITE_FORMATS)}, got {format!r}")
     if shard_bytes <= 0:
@@ -278,6 +296,22 @@ def write_shards(
         for name in written:
             target.remove(name)
         raise
+    finally:
+        target.close()
+
+
+def _refuse_existing(out: str | os.PathLike[str], overwrite: bool,
+                     storage_options: dict[str, Any] | None) -> None:
+    """The writer's refusal of an existing dataset, checked before a shuffle's spill."""
+    if overwrite:
+        return
+    target = OutputDir(os.fspath(out), storage_options)
+    try:
+        if target.exists(INDEX_NAME):
+            raise ShardloaderError(
+                f"{target.final_path(INDEX_NAME)}: the output directory already holds a dataset; "
+                "choose an empty directory or pass overwrite=True"
+            )
     finally:
         target.close()
 

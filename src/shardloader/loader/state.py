@@ -3,8 +3,12 @@
     {"format": "shardloader-loader-state", "version": 1,
      "epoch": 3, "position": 4096,              # global positions consumed in the epoch
      "fingerprint": {"index": "...", "seed": 0, "shuffle": true, "partitions": 8,
-                     "window": 2, "global_batch_size": 64, "tail": "pad",
+                     "window": 2, "order": 2, "global_batch_size": 64, "tail": "pad",
                      "transform_version": null}}
+
+`order` is the version of the order algorithm (`shardloader.order.ORDER_VERSION`). States
+saved before it existed carry none and are order version 1. A state of another order version
+is refused like any other fingerprint difference: its position would name different samples.
 
 `position` counts only batches the caller received. Resuming is O(1): the order of any
 position is computable directly, so loading replays nothing.
@@ -19,8 +23,11 @@ from shardloader.errors import StateError
 STATE_FORMAT = "shardloader-loader-state"
 STATE_VERSION = 1
 FINGERPRINT_FIELDS = (
-    "index", "seed", "shuffle", "partitions", "window", "global_batch_size", "tail", "transform_version",
+    "index", "seed", "shuffle", "partitions", "window", "order", "global_batch_size", "tail",
+    "transform_version",
 )
+# Fields a valid state may lack, and the value such a state means (saved by an older release).
+_IMPLIED = {"order": 1}
 
 
 def make_state(epoch: int, position: int, fingerprint: dict[str, Any]) -> dict[str, Any]:
@@ -48,7 +55,7 @@ def validate_state(state: Any) -> dict[str, Any]:
     fingerprint = state.get("fingerprint")
     if not isinstance(fingerprint, dict):
         raise StateError("loader state field 'fingerprint' must be a dict")
-    missing = [f for f in FINGERPRINT_FIELDS if f not in fingerprint]
+    missing = [f for f in FINGERPRINT_FIELDS if f not in fingerprint and f not in _IMPLIED]
     if missing:
         raise StateError(f"loader state fingerprint lacks {', '.join(missing)}")
     return state
@@ -58,6 +65,16 @@ def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any]) -> l
     """Human-readable lines, one per fingerprint field that differs."""
     lines = []
     for field in FINGERPRINT_FIELDS:
-        if saved.get(field) != current.get(field):
-            lines.append(f"{field}: saved {saved.get(field)!r}, now {current.get(field)!r}")
+        was, now = saved.get(field, _IMPLIED.get(field)), current.get(field, _IMPLIED.get(field))
+        if was == now:
+            continue
+        if field == "order":
+            lines.append(
+                f"order: the state was saved with order version {was!r}, this loader computes "
+                f"order version {now!r}; the same position names different samples in it, so "
+                "resuming would silently change the sequence (resume with the shardloader "
+                "release that saved the state, or restart the epoch)"
+            )
+        else:
+            lines.append(f"{field}: saved {was!r}, now {now!r}")
     return lines

@@ -9,9 +9,10 @@ from shardloader.order.partition import (
     steps_per_epoch,
 )
 from shardloader.order.seeding import GlobalRngScope, sample_generator, sample_key
-from shardloader.order.shuffle import EpochOrder, ShuffleSettings, resident_shards_per_rank
+from shardloader.order.shuffle import ORDER_VERSION, EpochOrder, ShuffleSettings
 
 __all__ = [
+    "ORDER_VERSION",
     "TAILS",
     "EpochOrder",
     "GlobalRngScope",
@@ -19,7 +20,6 @@ __all__ = [
     "dropped_samples",
     "epoch_length",
     "padded_samples",
-    "resident_shards_per_rank",
     "sample_generator",
     "sample_key",
     "step_positions",

@@ -1,7 +1,7 @@
 """Counter-based 64-bit keys and mixing: the randomness behind order and augmentation.
 
-Everything random in shardloader is a pure function of integers (seed, epoch, partition,
-window, sample index) through the mixers below, never a stateful generator stream. That is
+Everything random in shardloader is a pure function of integers (seed, epoch, shard,
+window, piece, sample index) through the mixers below, never a stateful generator stream. That is
 what makes order and augmentation independent of worker count, world size and restarts
 (invariants I1 and I3), and stable across numpy/torch versions (we do not rely on any
 library's generator algorithm for order).
@@ -55,6 +55,10 @@ def derive_keys(base: int, parts: np.ndarray) -> np.ndarray:
 
 
 # Tags keep the key spaces of different uses apart.
-TAG_SHARDS = 1
+TAG_SHARDS = 1  # order version 1's shard permutation; kept so the value is never reused
 TAG_WINDOW = 2
 TAG_SAMPLE = 3
+TAG_ROTATE = 4
+TAG_ROWS = 5
+TAG_PIECES = 6
+TAG_WRITE = 7  # the order `write_shards(shuffle=True)` writes samples in

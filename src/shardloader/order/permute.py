@@ -5,8 +5,8 @@
 covering n, with cycle walking to stay inside [0, n). It needs O(1) memory and time per element,
 which is what lets the loader compute any position of an epoch without an O(N) array.
 
-`keyed_permutation(n, key)` materialises a whole permutation (sorting keyed hashes); the order
-module uses it only for the shard order (O(shards), not O(samples)).
+`keyed_permutation(n, key)` materialises a whole permutation (sorting keyed hashes): O(n)
+memory, for small n or reference computations (tests, benchmarks), never per epoch of samples.
 """
 
 from __future__ import annotations
@@ -38,15 +38,18 @@ def _domain_bits(n: np.ndarray) -> np.ndarray:
     return bits + (bits & 1)
 
 
-def _feistel_rounds(y: np.ndarray, half: np.ndarray, keys: np.ndarray) -> np.ndarray:
+def _round_keys(keys: np.ndarray) -> list[np.ndarray]:
+    with np.errstate(over="ignore"):
+        return [mix64_array(keys + np.uint64(r + 1) * np.uint64(0x9E3779B97F4A7C15)) for r in range(_ROUNDS)]
+
+
+def _feistel_rounds(y: np.ndarray, half: np.ndarray, round_keys: list[np.ndarray]) -> np.ndarray:
     mask = (np.uint64(1) << half) - np.uint64(1)
     left = y >> half
     right = y & mask
-    with np.errstate(over="ignore"):
-        for r in range(_ROUNDS):
-            round_key = mix64_array(keys + np.uint64(r + 1) * np.uint64(0x9E3779B97F4A7C15))
-            f = mix64_array(right ^ round_key) & mask
-            left, right = right, left ^ f
+    for round_key in round_keys:
+        f = mix64_array(right ^ round_key) & mask
+        left, right = right, left ^ f
     return (left << half) | right
 
 
@@ -62,14 +65,15 @@ def feistel_permute(x: np.ndarray, n: np.ndarray, keys: np.ndarray) -> np.ndarra
         return x.astype(np.int64)
     if np.any(x < 0) or np.any(x >= n):
         raise ValueError("feistel_permute: every x must lie in [0, n)")
-    half = (_domain_bits(n) // 2).astype(np.uint64)
-    y = x.astype(np.uint64)
-    n_u = n.astype(np.uint64)
-    todo = np.arange(y.size)
-    y = y.ravel().copy()
-    half_f, keys_f, n_f = half.ravel(), keys.ravel(), n_u.ravel()
+    half = (_domain_bits(n) // 2).astype(np.uint64).ravel()
+    y = x.astype(np.uint64).ravel().copy()
+    n_f = n.astype(np.uint64).ravel()
+    round_keys = _round_keys(keys.ravel())
     # Cycle walking: re-apply the permutation of the power-of-two domain until inside [0, n).
+    y = _feistel_rounds(y, half, round_keys)
+    todo = np.flatnonzero(y >= n_f)
     while todo.size:
-        y[todo] = _feistel_rounds(y[todo], half_f[todo], keys_f[todo])
+        y[todo] = _feistel_rounds(y[todo], half[todo], [k[todo] for k in round_keys])
         todo = todo[y[todo] >= n_f[todo]]
     return y.reshape(x.shape).astype(np.int64)
+

@@ -1,23 +1,62 @@
 """The global sample order of an epoch: a pure function of sizes, seed, epoch and settings.
 
-Two-level, shard-aware shuffle with canonical partitions (design.md, "Order"):
+Order version 2: stratified lanes over a rotated index. With `P = partitions`, `w = window`
+and `L = P * w` lanes:
 
-1. Shards are permuted by (seed, epoch) and laid end to end: a virtual sequence of N samples.
-2. The virtual sequence is cut into `partitions` contiguous ranges of equal size (±1 sample).
-   Partition k therefore holds about S/partitions shards (pieces of shards at its edges).
-3. Within a partition, consecutive pieces are grouped into windows of `window` pieces; the
-   samples of a window are permuted by a keyed Feistel permutation. Only a window's shards need
-   to be resident at once.
-4. Global position p reads partition p mod P at local offset p div P: the partitions' streams
-   interleave round-robin. Partition sizes differ by at most one, and the larger ones come
-   first, so this covers every sample exactly once for every N and P.
+1. **Rows.** Each shard's rows are permuted by a keyed Feistel permutation of (seed, epoch,
+   shard): which rows of a shard travel together changes every epoch, independently of the
+   epoch before. (A cheaper affine map, a * i + b mod size, was tried: in some pairs of epochs
+   its maps nearly coincide, and a rank then sees mostly the same half of a shard twice.)
+2. **Lanes.** The shards, in index (write) order and laid end to end, form a circle of N
+   samples. It is rotated by a keyed offset of (seed, epoch) and cut into L lanes of equal
+   size (±1 sample). A lane is a contiguous stretch of the index: a few whole shards, and
+   pieces of shards at its ends.
+3. **Pieces.** Inside a lane, its pieces (the parts of shards it holds) are visited in a keyed
+   random order, except its two end pieces: a shard cut by a lane boundary has a piece in
+   each lane, and both are read at the same time (both first or both last, alternating around
+   the circle), so it is resident once rather than from the start to the end of the epoch.
+4. **Partitions and windows.** Partition k owns the lanes k, k + P, ..., k + (w - 1) P, spread
+   evenly around the circle. Its window u holds the u-th piece of each of its lanes; the samples
+   of a window are permuted by a keyed Feistel permutation. Only a window's pieces (at most w
+   shards) need to be resident for a partition at once.
+5. **Interleave.** Global position p reads partition p mod P at offset p div P. Partition sizes
+   differ by at most one, larger first, so every sample appears exactly once for every N, P.
 
-Rank r of W takes positions p = r (mod W) (see `partition.py`). Because the sequence never
-mentions W, it is the same under any world size (I1), and when W divides P (or P divides W)
-each rank reads only its own partitions' shards (download locality).
+Rank r of W takes positions p = r (mod W) (see `partition.py`). The sequence never mentions W,
+so it is the same under any world size (I1); when W divides P, rank r reads only the lanes
+= r (mod W), so each shard is downloaded by one rank (pieces at lane ends by two).
 
-Nothing here does I/O or holds O(N) memory: an `EpochOrder` keeps O(shards + partitions)
-arrays and maps any batch of positions to sample indices in O(1) per position.
+Why lanes and not the version-1 layout (shards permuted, cut into P contiguous partitions,
+windows of w consecutive shards):
+
+- **Mixing under a fixed resident budget.** A batch can only hold samples of the shards
+  resident when it is drawn (P * w of them with one rank). When the index is sorted — an image
+  folder written class by class, a log written by time — neighbouring shards hold alike samples,
+  so the resident shards should be as far apart in the index as possible. The L lanes are L
+  strata of the index, one resident piece each (a random one of its stratum): the batch is a
+  stratified sample of the whole dataset. On class-sorted shards it holds 0.97-1.0 of a
+  uniform shuffle's distinct classes (`benchmarks/mixing.py`; version 1, which held P random
+  places of the index with w neighbouring shards each, reached 0.85); on shuffled shards it
+  changes nothing. Evenly spaced places could coincide with a periodic layout (shard s holding
+  class s mod L); a random place per stratum cannot.
+- **Every rank sees every sample.** The rotation moves the lane boundaries every epoch, and the
+  row permutation changes which rows of a shard share a lane, so a sample lands in a uniformly
+  random lane, hence partition, hence rank, each epoch — as with torch's `DistributedSampler`.
+  Version 1 cut a dataset of fewer shards than partitions at the same row ranges every epoch,
+  so with W ranks each rank saw the same 1/W of the data forever.
+- **One shard** (a small validation set, or a map-style dataset, which the order sees as one
+  shard of len() samples) is resident whole; the row permutation makes its lanes random subsets,
+  so its epoch is a uniform random permutation in effect.
+- The unit of the shuffle stays the shard piece (not fixed-size blocks): blocks would multiply
+  the resident shards by the number of blocks open at once, while pieces keep the budget at
+  w shards per partition and cost O(shards + lanes) memory per epoch. The price: with W ranks
+  a rank's own batch draws from ceil(P / W) * w shards, so at W = 8 a class-sorted dataset
+  gives each rank's batch 2 shards' classes (the global batch still mixes). Shards written in
+  a random order (`shardloader convert`'s default) mix under any W.
+
+Nothing here does I/O or holds O(N) memory: an `EpochOrder` keeps O(shards + lanes) arrays and
+maps any batch of positions to sample indices with two Feistel permutations and two binary
+searches per position (about 5 microseconds per position, computed in the loader's workers).
 """
 
 from __future__ import annotations
@@ -26,11 +65,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardloader.order.keys import TAG_SHARDS, TAG_WINDOW, derive_key, derive_keys
-from shardloader.order.permute import feistel_permute, keyed_permutation
+from shardloader.order.keys import (
+    TAG_PIECES,
+    TAG_ROTATE,
+    TAG_ROWS,
+    TAG_WINDOW,
+    derive_key,
+    derive_keys,
+)
+from shardloader.order.permute import feistel_permute
 
 DEFAULT_PARTITIONS = 8
 DEFAULT_WINDOW = 2
+# The version of the algorithm above. Part of every fingerprint (ShuffleSettings.to_dict), so a
+# loader state saved under another order version is refused instead of resumed into a different
+# sequence. Bump it whenever samples_at can return something else for the same inputs.
+ORDER_VERSION = 2
+_LAST_KEY = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -39,7 +90,7 @@ class ShuffleSettings:
 
     shuffle: bool = True
     partitions: int = DEFAULT_PARTITIONS
-    window: int = DEFAULT_WINDOW  # shards (pieces) per shuffle window, per partition
+    window: int = DEFAULT_WINDOW  # lanes (so resident shards) per partition
 
     def __post_init__(self) -> None:
         if not isinstance(self.partitions, int) or self.partitions < 1:
@@ -47,16 +98,19 @@ class ShuffleSettings:
         if not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"window must be a positive integer, got {self.window!r}")
 
+    @property
+    def lanes(self) -> int:
+        return self.partitions * self.window
+
     def to_dict(self) -> dict[str, object]:
-        return {"shuffle": self.shuffle, "partitions": self.partitions, "window": self.window}
+        return {"shuffle": self.shuffle, "partitions": self.partitions, "window": self.window,
+                "order": ORDER_VERSION}
 
 
-def resident_shards_per_rank(settings: ShuffleSettings, world_size: int) -> int:
-    """How many shards one rank reads from at once (its partitions' current windows)."""
-    if not settings.shuffle:
-        return 2
-    partitions_per_rank = -(-settings.partitions // world_size)
-    return partitions_per_rank * settings.window
+def _even_cuts(n: int, parts: int) -> np.ndarray:
+    """Start offsets of `parts` contiguous ranges of [0, n), sizes equal ±1, larger first."""
+    k = np.arange(parts + 1, dtype=np.int64)
+    return k * (n // parts) + np.minimum(k, n % parts)
 
 
 class EpochOrder:
@@ -73,20 +127,84 @@ class EpochOrder:
         self.seed = int(seed)
         self.epoch = int(epoch)
         self.num_samples = int(sizes.sum())
+        self.shard_sizes = sizes
         self.shard_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         if not settings.shuffle:
             return
-        nonempty = np.flatnonzero(sizes > 0)
-        shard_key = derive_key(TAG_SHARDS, self.seed, self.epoch)
-        # The slot order: which shard sits at each place of the virtual sequence.
-        self.slot_shard = nonempty[keyed_permutation(nonempty.size, shard_key)]
-        self.slot_start = np.concatenate([[0], np.cumsum(sizes[self.slot_shard])]).astype(np.int64)
-        n, p = self.num_samples, settings.partitions
-        k = np.arange(p + 1, dtype=np.int64)
-        self.partition_start = k * (n // p) + np.minimum(k, n % p)
-        # First slot of each partition (the slot holding its first sample).
-        self.partition_first_slot = np.searchsorted(self.slot_start, self.partition_start[:-1], "right") - 1
+        n, parts, lanes = self.num_samples, settings.partitions, settings.lanes
+        self.partition_start = _even_cuts(n, parts)
+        self.row_key = derive_key(TAG_ROWS, self.seed, self.epoch)
         self.window_key = derive_key(TAG_WINDOW, self.seed, self.epoch)
+        if n == 0:
+            self._set_layout(*(np.zeros(0, dtype=np.int64),) * 4)
+            return
+        # Temporaries are dropped as soon as they are used: peak memory stays a few O(pieces)
+        # arrays (pieces <= shards + lanes).
+        nonempty = np.flatnonzero(sizes > 0)
+        # 2. The circle (index order) rotated by rho; lanes are equal cuts of the rotated circle.
+        rho = derive_key(TAG_ROTATE, self.seed, self.epoch) % n if nonempty.size > 1 else 0
+        lane_start = _even_cuts(n, lanes)
+        cuts = np.concatenate([lane_start[:-1], (self.shard_offsets[nonempty] - rho) % n])
+        del nonempty
+        cuts.sort()
+        lengths = np.diff(np.append(cuts, n))  # repeated cuts give empty pieces, dropped next
+        keep = lengths > 0
+        cuts, lengths = cuts[keep], lengths[keep]
+        del keep
+        lane = np.searchsorted(lane_start, cuts, "right") - 1
+        cuts += rho
+        cuts %= n  # now the base (index order) position of each piece's first sample
+        shard = np.searchsorted(self.shard_offsets, cuts, "right") - 1
+        cuts -= self.shard_offsets[shard]  # now the offset into the shard's permuted rows
+        row_start = cuts
+        # 3. Pieces of a lane in a keyed random order: u = rank of the piece within its lane,
+        # except the lane's end pieces, which may be parts of shards cut by a lane boundary.
+        # Lanes of several pieces alternate around the circle: one reads its first piece first
+        # and its last piece last, the next the other way round (lanes of one piece do not
+        # count), so the parts of a cut shard are read at the same time in both lanes (both at
+        # the start, or both at the end of the epoch): resident once, not all epoch.
+        piece_keys = derive_keys(derive_key(TAG_PIECES, self.seed, self.epoch), np.arange(lane.size))
+        piece_keys >>= np.uint64(1)
+        piece_keys += np.uint64(1)  # interior pieces: keys in [1, 2**63]
+        head = np.ones(lane.size, dtype=bool)
+        head[1:] = lane[1:] != lane[:-1]
+        tail = np.ones(lane.size, dtype=bool)
+        tail[:-1] = lane[1:] != lane[:-1]
+        multi = np.bincount(lane, minlength=lanes) > 1
+        odd = ((np.cumsum(multi) - multi) & 1).astype(bool)[lane]
+        first, last = np.uint64(0), np.uint64(_LAST_KEY)
+        piece_keys[tail] = np.where(odd[tail], first, last)
+        piece_keys[head] = np.where(odd[head], last, first)  # a lane of one piece: either way
+        order = np.lexsort((piece_keys, lane))
+        u = np.empty(lane.size, dtype=np.int64)
+        u[order] = np.arange(lane.size) - np.searchsorted(lane[order], lane[order], "left")
+        # 4. Layout: partition-major, then window u, then the lane's place i in the partition.
+        order = np.lexsort((lane // parts, u, lane % parts))
+        window_id = (lane % parts)[order] * np.int64(1 << 32) + u[order]
+        del u
+        self._set_layout(shard[order], row_start[order], lengths[order], window_id)
+
+    def _set_layout(self, shard: np.ndarray, row_start: np.ndarray, length: np.ndarray,
+                    window_id: np.ndarray) -> None:
+        self.piece_shard = shard
+        self.piece_row = row_start
+        self.piece_start = np.concatenate([[0], np.cumsum(length)]).astype(np.int64)
+        # Windows are runs of equal window_id in the layout; each piece knows its window.
+        new = np.ones(window_id.size, dtype=bool)
+        new[1:] = window_id[1:] != window_id[:-1]
+        self.window_id = window_id[new]
+        self.window_start = np.append(self.piece_start[:-1][new], self.piece_start[-1])
+        self.piece_window = np.cumsum(new) - 1
+
+    def layout_samples(self, virtual: np.ndarray) -> np.ndarray:
+        """Sample at each layout position (the partitions laid end to end, before the window
+        permutation): partition k holds layout positions [partition_start[k], ..[k+1])."""
+        v = np.asarray(virtual, dtype=np.int64)
+        piece = np.searchsorted(self.piece_start, v, "right") - 1
+        shard = self.piece_shard[piece]
+        offset = self.piece_row[piece] + (v - self.piece_start[piece])
+        keys = derive_keys(self.row_key, shard)
+        return self.shard_offsets[shard] + feistel_permute(offset, self.shard_sizes[shard], keys)
 
     def samples_at(self, positions: np.ndarray) -> np.ndarray:
         """Global sample indices at epoch positions `positions` (each in [0, N))."""
@@ -97,21 +215,12 @@ class EpochOrder:
         if not self.settings.shuffle or p.size == 0:
             return p.copy()
         parts = self.settings.partitions
-        window = self.settings.window
-        k = p % parts
-        v = self.partition_start[k] + p // parts  # virtual position before the window shuffle
-        slot = np.searchsorted(self.slot_start, v, "right") - 1
-        first = self.partition_first_slot[k]
-        w = (slot - first) // window
-        lo_slot = first + w * window
-        hi_slot = lo_slot + window
-        lo = np.maximum(self.slot_start[lo_slot], self.partition_start[k])
-        hi = np.minimum(self.slot_start[np.minimum(hi_slot, self.slot_shard.size)], self.partition_start[k + 1])
-        keys = derive_keys(self.window_key, k * np.int64(1 << 32) + w)
-        v2 = lo + feistel_permute(v - lo, hi - lo, keys)
-        slot2 = np.searchsorted(self.slot_start, v2, "right") - 1
-        shard = self.slot_shard[slot2]
-        return self.shard_offsets[shard] + (v2 - self.slot_start[slot2])
+        v = self.partition_start[p % parts] + p // parts
+        piece = np.searchsorted(self.piece_start, v, "right") - 1
+        window = self.piece_window[piece]
+        lo, hi = self.window_start[window], self.window_start[window + 1]
+        keys = derive_keys(self.window_key, self.window_id[window])
+        return self.layout_samples(lo + feistel_permute(v - lo, hi - lo, keys))
 
     def shards_of(self, samples: np.ndarray) -> np.ndarray:
         """Shard id of each global sample index."""
