@@ -139,15 +139,18 @@ def test_hf_parquet_survives_convert(hf_dataset, tmp_path):
     assert main(["convert", str(root), str(tmp_path / "arrow"), "--no-progress",
                  "--shard-samples", "16"]) == 0
     ds = Dataset(tmp_path / "arrow")
-    assert dict(ds.index.schema) == {"image": "struct<bytes: binary, path: string>", "label": "int64"}
+    assert dict(ds.index.schema) == {"image": "struct<bytes: binary, path: string>",
+                                     "label": "int64", "source_index": "int64"}
     assert ds.index.num_shards == 3
     got = ds.get_many(range(len(rows)))
-    assert [r["image"] for r in got] == [r["image"] for r in rows]  # bytes and paths, equal
-    assert [r["label"] for r in got] == [r["label"] for r in rows]
-    # and converting the converted dataset again keeps them too
-    convert(tmp_path / "arrow", tmp_path / "again", progress=False)
+    # convert shuffles by default; source_index says which source row each sample is
+    assert sorted(r["source_index"] for r in got) == list(range(len(rows)))
+    assert [r["image"] for r in got] == [rows[r["source_index"]]["image"] for r in got]
+    assert [r["label"] for r in got] == [rows[r["source_index"]]["label"] for r in got]
+    # and converting the converted dataset again, in its order, keeps them too
+    convert(tmp_path / "arrow", tmp_path / "again", progress=False, shuffle=False)
     again = Dataset(tmp_path / "again").get_many(range(len(rows)))
-    assert [r["image"] for r in again] == [r["image"] for r in rows]
+    assert [r["image"] for r in again] == [r["image"] for r in got]
 
 
 def test_struct_column_to_tar_is_refused_naming_the_field(hf_dataset, tmp_path):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from shardloader import Dataset
-from shardloader.errors import SchemaError, ShardloaderError
+from shardloader.errors import ShardloaderError
 from shardloader.format.convert import convert
 from shardloader.format.shuffled import write_permutation
 from shardloader.format.writer import write_shards
@@ -73,12 +73,20 @@ def test_source_index_field_can_be_renamed_or_left_out(tmp_path):
     assert dict(Dataset(tmp_path / "b").index.schema) == {"data": "binary", "label": "int64"}
 
 
-def test_a_field_named_like_the_index_field_is_a_clear_error(tmp_path):
-    samples = [{"data": b"x", "source_index": 5}]
-    with pytest.raises(SchemaError, match="sample 0: already has a field 'source_index'"):
-        write_shards(samples, tmp_path / "out", shuffle=True)
-    with pytest.raises(SchemaError, match="the schema already has a field 'source_index'"):
-        write_shards(samples, tmp_path / "out2", shuffle=True, schema={"data": "binary", "source_index": "int64"})
+def test_resharding_a_shuffled_dataset_keeps_the_original_source_index(tmp_path):
+    """A converted dataset converted again (re-sharded, shuffled anew) keeps each sample's
+    position in the original source, so the source order stays recoverable."""
+    source = _samples(60)
+    convert_once = tmp_path / "once"
+    write_shards(source, convert_once, shard_samples=16, shuffle=True, seed=1)
+    again = tmp_path / "again"
+    write_shards(_written(convert_once), again, shard_samples=7, shuffle=True,
+                 seed=2)
+    records = _written(again)
+    assert dict(Dataset(again).index.schema)["source_index"] == "int64"
+    assert [r["data"] for r in records] == [source[r["source_index"]]["data"] for r in records]
+    first = [r["source_index"] for r in _written(convert_once)]
+    assert [r["source_index"] for r in records] != first  # shuffled anew, not copied
 
 
 def test_existing_dataset_is_refused_before_any_copy(tmp_path):

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from shardloader.errors import SchemaError
 from shardloader.order.keys import TAG_WRITE, derive_key
 from shardloader.order.permute import feistel_permute
 
@@ -49,13 +48,10 @@ def write_permutation(n: int, seed: int, start: int = 0, stop: int | None = None
 
 
 def _with_index(sample: Mapping[str, Any], field: str | None, position: int) -> dict[str, Any]:
-    if field is None:
+    if field is None or field in sample:
+        # A sample that has the field already keeps it: re-sharding a converted dataset keeps
+        # each sample's position in the original source.
         return dict(sample)
-    if field in sample:
-        raise SchemaError(
-            f"sample {position}: already has a field {field!r}; the shuffled writer stores the "
-            "source position there: choose another source_index_field (or None)"
-        )
     return {**sample, field: position}
 
 
@@ -89,12 +85,7 @@ def shuffled_samples(
     """
     out_schema = None if schema is None else dict(schema)
     if out_schema is not None and index_field is not None:
-        if index_field in out_schema:
-            raise SchemaError(
-                f"the schema already has a field {index_field!r}; the shuffled writer stores the "
-                "source position there: choose another source_index_field (or None)"
-            )
-        out_schema[index_field] = "int64"
+        out_schema.setdefault(index_field, "int64")  # kept as it is where the source has it
     if _is_sequence(samples):
         yield _from_sequence(samples, seed, index_field), out_schema  # type: ignore[arg-type]
         return

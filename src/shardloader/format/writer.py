@@ -238,11 +238,7 @@ def write_shards(
     if target.exists(INDEX_NAME):
         if not overwrite:
             target.close()
-            raise ShardloaderError(
-                f"{target.final_path(INDEX_NAME)}: the output directory already holds a dataset; "
-                "choose an empty directory or pass overwrite=True (`--overwrite` for "
-                "`shardloader convert`)"
-            )
+            raise _exists_error(target)
         target.remove(INDEX_NAME)
     spec = SampleSchema(schema) if schema is not None else None
     if spec is not None:
@@ -308,12 +304,17 @@ def _refuse_existing(out: str | os.PathLike[str], overwrite: bool,
     target = OutputDir(os.fspath(out), storage_options)
     try:
         if target.exists(INDEX_NAME):
-            raise ShardloaderError(
-                f"{target.final_path(INDEX_NAME)}: the output directory already holds a dataset; "
-                "choose an empty directory or pass overwrite=True"
-            )
+            raise _exists_error(target)
     finally:
         target.close()
+
+
+def _exists_error(target: OutputDir) -> ShardloaderError:
+    return ShardloaderError(
+        f"{target.final_path(INDEX_NAME)}: the output directory already holds a dataset; "
+        "choose an empty directory or pass overwrite=True (`--overwrite` for "
+        "`shardloader convert`)"
+    )
 
 
 def _check_fields_for_format(spec: SampleSchema, format: str) -> None:
