@@ -139,10 +139,10 @@ def save_kind(root: str, out: str, kind: str) -> dict:
 def dcp_payload(path: str) -> dict:
     """Bytes in DCP's data files vs bytes its metadata references: equal when no rank wrote
     data that another rank also wrote (replicas deduplicated)."""
-    from shardloader.checkpoint.distributed import _MetadataUnpickler
+    from shardloader.checkpoint.untrusted import MetadataUnpickler
 
     with open(os.path.join(path, ".metadata"), "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
+        metadata = MetadataUnpickler(f).load()
     referenced = sum(info.length for info in metadata.storage_data.values())
     files = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(".distcp"))
     return {"referenced": referenced, "file_bytes": files}

@@ -18,7 +18,9 @@ SCRIPT = os.path.join(REPO, "tests", "checkpoint_dist_script.py")
 
 
 def run(cmd: list[str], timeout: float = 240) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    # This checkout's sources first (not whatever shardloader the interpreter has installed).
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(REPO, "src"), REPO]))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
