@@ -38,7 +38,7 @@ from shardloader.checkpoint import capture
 from shardloader.checkpoint.catalog import Entry, warn
 from shardloader.checkpoint.layout import DamagedCheckpoint, Layout, LayoutContext
 from shardloader.checkpoint.manifest import FileEntry
-from shardloader.checkpoint.parts import Staged, stage_part
+from shardloader.checkpoint.parts import Staged, stage_part, verify_part_file
 from shardloader.checkpoint.staging import StagingPool, plan_rounds, pool_bytes_needed
 from shardloader.checkpoint.storage import LocalStore, Store
 from shardloader.checkpoint.tensorfile import plan_layout
@@ -120,7 +120,7 @@ class DcpLayout(Layout):
             if name in items:
                 verify_data_file(store, entry, name, items[name])
             elif name != DCP_METADATA:  # read and verified by self.metadata()
-                store.verify(entry.id, name, files[name])
+                verify_part_file(store, entry, name)
 
     def metadata(self, entry: Entry) -> Any:
         files = entry.manifest.files

@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shardloader.checkpoint import capture, catalog
+from shardloader.checkpoint import capture
 from shardloader.checkpoint.catalog import Entry, warn
 from shardloader.checkpoint.group import DistGroup, LocalGroup
 from shardloader.checkpoint.manifest import FileEntry
-from shardloader.checkpoint.parts import Staged, read_part, stage_part
+from shardloader.checkpoint.parts import Staged, read_part, stage_part, verify_part_file
 from shardloader.checkpoint.staging import StagingPool
 from shardloader.checkpoint.storage import Store
 from shardloader.checkpoint.writer import write_part
@@ -62,8 +62,10 @@ class Layout:
         raise NotImplementedError
 
     def verify(self, entry: Entry, names: list[str] | None = None) -> None:
-        """Raise CheckpointError unless the files (all, or `names`) match the manifest."""
-        catalog.verify_entry(self.ctx.store, entry, names)
+        """Raise CheckpointError unless the files (all, or `names`) match the manifest and
+        decode as `restore` decodes them."""
+        for name in sorted(entry.manifest.files) if names is None else names:
+            verify_part_file(self.ctx.store, entry, name)
 
     def restore(self, entry: Entry, name: str, model: Any, optimizer: Any, loader: Any,
                 extra: dict[str, Any]) -> dict[str, Any]:

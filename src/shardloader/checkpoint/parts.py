@@ -15,14 +15,23 @@ from typing import Any
 
 import torch
 
+from shardloader.checkpoint import rng
 from shardloader.checkpoint.catalog import Entry
 from shardloader.checkpoint.staging import StagingPool, plan_rounds, pool_bytes_needed
 from shardloader.checkpoint.storage import Store
-from shardloader.checkpoint.tensorfile import encode_header, plan_layout, read_tensor_file
+from shardloader.checkpoint.tensorfile import (
+    TensorMeta,
+    encode_header,
+    plan_layout,
+    read_header,
+    read_tensor_file,
+)
 from shardloader.checkpoint.tree import flatten, unflatten
 from shardloader.checkpoint.writer import RoundHandoff, StagedPart
-from shardloader.errors import CheckpointError
+from shardloader.errors import CheckpointError, StateError
 from shardloader.format.checksum import new_hasher, parse_checksum
+
+_CHUNK = 8 << 20
 
 
 @dataclass
@@ -59,25 +68,55 @@ def part_names(base: str) -> tuple[str, str]:
 
 def read_part(store: Store, entry: Entry, base: str) -> dict[str, Any]:
     """Read and verify one part into a state tree; CheckpointError names what is wrong."""
-    tensor_name, json_name = part_names(base)
-    files = entry.manifest.files
-    for name in (tensor_name, json_name):
-        if name not in files:
-            raise CheckpointError(f"{store.url_of(entry.id)}: manifest lists no {name}")
+    tensor_name, json_name = _listed(store, entry, base)
     tensors = _read_tensors(store, entry, tensor_name)
-    url = store.url_of(f"{entry.id}/{json_name}")
-    raw = store.read_verified(entry.id, json_name, files[json_name])
+    raw = store.read_verified(entry.id, json_name, entry.manifest.files[json_name])
+    return _decode_state(raw.numpy().tobytes(), tensors, store.url_of(f"{entry.id}/{json_name}"))
+
+
+def verify_part_file(store: Store, entry: Entry, name: str) -> None:
+    """Raise CheckpointError unless file `name` of a part matches the manifest and decodes
+    as `read_part` would decode it (without keeping the tensors: `latest()` uses this)."""
+    if name.endswith(".safetensors"):
+        _check_tensor_file(store, entry, name)
+    elif name.endswith(".json") and name.removesuffix(".json") + ".safetensors" in entry.manifest.files:
+        tensor_name = name.removesuffix(".json") + ".safetensors"
+        raw = store.read_verified(entry.id, name, entry.manifest.files[name])
+        placeholders = {m.name: torch.empty(m.shape, dtype=m.dtype)  # never touched: no memory
+                        for m in _tensor_header(store, entry, tensor_name)}
+        _decode_state(raw.numpy().tobytes(), placeholders, store.url_of(f"{entry.id}/{name}"))
+    else:
+        store.verify(entry.id, name, entry.manifest.files[name])
+
+
+def _listed(store: Store, entry: Entry, base: str) -> tuple[str, str]:
+    names = part_names(base)
+    for name in names:
+        if name not in entry.manifest.files:
+            raise CheckpointError(f"{store.url_of(entry.id)}: manifest lists no {name}")
+    return names
+
+
+def _decode_state(raw: bytes, tensors: dict[str, torch.Tensor], url: str) -> dict[str, Any]:
     try:
-        doc = json.loads(raw.numpy().tobytes())
+        doc = json.loads(raw)
         skeleton = doc["state"]
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{url}: state file is malformed: {exc}") from None
-    if sorted(tensors, key=int) != [str(i) for i in range(len(tensors))]:
+    if sorted(tensors, key=_int_or_none) != [str(i) for i in range(len(tensors))]:
         raise CheckpointError(f"{url}: tensor names are not 0..{len(tensors) - 1}")
     state = unflatten(skeleton, [tensors[str(i)] for i in range(len(tensors))], source=url)
     if not isinstance(state, dict) or not isinstance(state.get("rng"), dict):
         raise CheckpointError(f"{url}: state is not an object holding an RNG state")
+    try:
+        rng.parse(state["rng"], source=url)
+    except StateError as exc:
+        raise CheckpointError(str(exc)) from None
     return state
+
+
+def _int_or_none(name: str) -> tuple[int, str]:
+    return (int(name), "") if name.isdigit() else (-1, name)
 
 
 def _read_tensors(store: Store, entry: Entry, name: str) -> dict[str, torch.Tensor]:
@@ -93,3 +132,32 @@ def _read_tensors(store: Store, entry: Entry, name: str) -> dict[str, torch.Tens
         raise CheckpointError(f"{exc} (checkpoint does not verify)") from None
     store.check_digest(url, algorithm, hasher, file_entry)
     return tensors
+
+
+def _check_tensor_file(store: Store, entry: Entry, name: str) -> None:
+    """Header valid, every byte hashed, no tensor allocated."""
+    file_entry = entry.manifest.files[name]
+    url = store.url_of(f"{entry.id}/{name}")
+    size = store.checked_size(entry.id, name, file_entry)
+    algorithm, _ = parse_checksum(file_entry.checksum)
+    hasher = new_hasher(algorithm)
+    problem = None
+    with store.open(entry.id, name) as f:
+        try:
+            read_header(f, size=size, hasher=hasher, source=url)
+        except CheckpointError as exc:
+            problem = f"{exc} (checkpoint does not verify)"
+        while chunk := f.read(_CHUNK):
+            hasher.update(chunk)
+    store.check_digest(url, algorithm, hasher, file_entry)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+def _tensor_header(store: Store, entry: Entry, name: str) -> list[TensorMeta]:
+    if name not in entry.manifest.files:
+        raise CheckpointError(f"{store.url_of(entry.id)}: manifest lists no {name}")
+    url = store.url_of(f"{entry.id}/{name}")
+    size = store.checked_size(entry.id, name, entry.manifest.files[name])
+    with store.open(entry.id, name) as f:
+        return read_header(f, size=size, hasher=new_hasher(), source=url)[1]
