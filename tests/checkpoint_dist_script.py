@@ -277,9 +277,9 @@ def untrusted_mode(root: str, out: str) -> dict:
 
 
 def rank0_mode(root: str, out: str) -> dict:
-    """`if rank == 0: ckpt.save(...)`: rank 0 gets a clear error in bounded time, both while
-    rank 1 waits in a collective of the training group and after rank 1 closed its
-    checkpointer."""
+    """`if rank == 0: ckpt.save(...)`: rank 0 gets a clear error in bounded time, while rank 1
+    waits in a collective of the training group, after rank 1 closed its checkpointer, and
+    (both ranks) while rank 1 is in `load` instead."""
     import time
     from datetime import timedelta
 
@@ -288,12 +288,20 @@ def rank0_mode(root: str, out: str) -> dict:
         rank = dist.get_rank()
         model, optimizer = build("ddp", True)
         result: dict = {"rank": rank}
-        for case, timeout in (("busy", 6), ("closed", 120)):
+        for case, timeout in (("busy", 6), ("closed", 120), ("other", 120)):
             ck = Checkpointer(os.path.join(root, case), timeout=timedelta(seconds=timeout))
             if case == "closed" and rank == 1:
                 ck.close()
             if case == "closed":
                 dist.barrier()
+            if case == "other" and rank == 1:  # rank 1 in another collective call
+                t0 = time.monotonic()
+                try:
+                    ck.load()
+                    error = None
+                except CheckpointError as exc:
+                    error = str(exc)
+                result[case] = {"error": error, "seconds": time.monotonic() - t0}
             if rank == 0:
                 t0 = time.monotonic()
                 try:

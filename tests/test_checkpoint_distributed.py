@@ -99,7 +99,7 @@ def test_save_called_on_rank_0_only_is_a_clear_error_in_bounded_time(tmp_path):
     root, out = tmp_path / "root", tmp_path / "out"
     out.mkdir()
     torchrun("rank0", str(root), str(out))
-    rank0 = results(out, "rank0")[0]
+    rank0, rank1 = results(out, "rank0")
     busy, closed = rank0["busy"], rank0["closed"]
     for got in (busy, closed):
         assert got["error"] is not None, got
@@ -107,3 +107,6 @@ def test_save_called_on_rank_0_only_is_a_clear_error_in_bounded_time(tmp_path):
         assert "rank 1" in got["error"], got
     assert busy["seconds"] < 6 + 10, busy  # the timeout, not the rank's exit
     assert "closed its Checkpointer" in closed["error"] and closed["seconds"] < 30, closed
+    for got in (rank0["other"], rank1["other"]):  # each names the other's call, within seconds
+        assert got["error"] is not None and "called load(step=None)" in got["error"], got
+        assert "called save(step=1)" in got["error"] and got["seconds"] < 30, got

@@ -83,6 +83,7 @@ class DistGroup:
         self._prefix = f"shardloader/checkpointer/{next(_instances)}"
         self._ops = 0
         self._last_op = "none"
+        self._history: list[str] = []  # keys of the last ops passed, deleted two ops later
         self._broken: str | None = None
         self.enter(what)
         self.ctl = dist.new_group(backend="gloo", timeout=timeout)
@@ -98,9 +99,8 @@ class DistGroup:
             return
         n = self._ops
         self._ops += 1
-        store, key = self._store, f"{self._prefix}/op/{n}"
-        if self.rank == 0:
-            store.set(f"{key}/name", op)
+        # The op is part of the key: ranks in different calls never complete each other's count.
+        store, key = self._store, f"{self._prefix}/op/{n}/{op}"
         store.set(f"{self._prefix}/at/{self.rank}", f"{n}\n{op}")
         if store.add(f"{key}/count", 1) == self.world_size:
             store.set(f"{key}/done", "1")
@@ -119,15 +119,12 @@ class DistGroup:
                             self._absent(n), _collective_hint(op))
             time.sleep(poll)
             poll = min(poll * 2, _POLL_MAX_S)
-        if self.rank != 0:
-            name = store.get(f"{key}/name").decode()
-            if name != op:
-                self._fail(op, f"rank 0 called {name} while rank {self.rank} called {op}; "
-                               f"{_collective_hint(op)}")
-        if n >= 2 and self.rank == 0:  # every rank has read op n-2's keys: forget them
+        self._history.append(key)
+        old = self._history.pop(0) if len(self._history) > 2 else None
+        if old is not None and self.rank == 0:  # every rank is past the op before last
             try:
-                for suffix in ("name", "count", "done"):
-                    store.delete_key(f"{self._prefix}/op/{n - 2}/{suffix}")
+                for suffix in ("count", "done"):
+                    store.delete_key(f"{old}/{suffix}")
             except Exception as exc:  # a store without deletion: the keys are small
                 log.debug("could not delete arrival keys: %r", exc)
         self._last_op = op
