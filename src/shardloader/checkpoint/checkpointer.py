@@ -28,6 +28,7 @@ from typing import Any
 from shardloader.checkpoint import capture, catalog, rng
 from shardloader.checkpoint.catalog import Entry, warn
 from shardloader.checkpoint.group import LocalGroup, make_group
+from shardloader.checkpoint.handle import CheckpointHandle, start_writer
 from shardloader.checkpoint.layout import DamagedCheckpoint, Layout, LayoutContext, SingleLayout
 from shardloader.checkpoint.manifest import FileEntry, Manifest, checkpoint_id
 from shardloader.checkpoint.parts import Staged
@@ -41,47 +42,6 @@ ON_BUSY = ("wait", "skip")
 PHASES = ("stage", "write", "upload", "commit", "retention")
 
 PhaseHook = Callable[[str, str, int], None]
-
-
-class CheckpointHandle:
-    """One `save()`: `done()`, `wait()`, and its phase timings once finished."""
-
-    def __init__(self, step: int, ckpt_id: str | None, url: str | None, *, skipped: bool = False):
-        self.step = step
-        self.id = ckpt_id
-        self.url = url
-        self.skipped = skipped
-        self.timings: dict[str, float] = {}
-        self.nbytes = 0
-        self._future: concurrent.futures.Future | None = None
-        self._reported = False
-        self._t_start = time.perf_counter()
-        self._staged = threading.Event()  # save() returned: its timings are final
-
-    def done(self) -> bool:
-        return self._future is None or self._future.done()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the checkpoint is complete; raise CheckpointError if it failed."""
-        if self._future is None:
-            return
-        try:
-            self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"checkpoint {self.url} not complete after {timeout} s") from None
-        except BaseException:
-            self._reported = True
-            raise
-
-    @property
-    def error(self) -> BaseException | None:
-        if self._future is None or not self._future.done():
-            return None
-        return self._future.exception()
-
-    def __repr__(self) -> str:
-        status = "skipped" if self.skipped else ("done" if self.done() else "in flight")
-        return f"CheckpointHandle(step={self.step}, id={self.id!r}, {status})"
 
 
 class Checkpointer:
@@ -243,7 +203,7 @@ class Checkpointer:
         handle.nbytes = staged.nbytes
         with self._lock:
             self._stats["started"] += 1
-        handle._future = _start_writer(lambda: self._run(handle, lambda: self._commit(handle, staged)))
+        handle._future = start_writer(lambda: self._run(handle, lambda: self._commit(handle, staged)))
         self._inflight = handle
         try:
             self._stream_rest(handle, staged)
@@ -611,22 +571,6 @@ class Checkpointer:
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root!r}, keep={self.keep}, on_busy={self.on_busy!r})"
-
-
-def _start_writer(job: Callable[[], None]) -> concurrent.futures.Future:
-    """Run `job` on a daemon thread (interpreter exit never joins it unbounded; `_ExitWait`
-    gives it a bounded chance to finish); its outcome is the returned future's."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_running_or_notify_cancel()
-
-    def target() -> None:
-        try:
-            future.set_result(job())
-        except BaseException as exc:
-            future.set_exception(exc)
-
-    threading.Thread(target=target, name="shardloader-ckpt-writer", daemon=True).start()
-    return future
 
 
 class _ExitWait:
