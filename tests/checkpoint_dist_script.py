@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardloader.checkpoint import Checkpointer
-from shardloader.errors import StateError
+from shardloader.errors import CheckpointError, StateError
 
 STEPS = 3
 
@@ -139,10 +139,10 @@ def save_kind(root: str, out: str, kind: str) -> dict:
 def dcp_payload(path: str) -> dict:
     """Bytes in DCP's data files vs bytes its metadata references: equal when no rank wrote
     data that another rank also wrote (replicas deduplicated)."""
-    from shardloader.checkpoint.distributed import _MetadataUnpickler
+    from shardloader.checkpoint.untrusted import MetadataUnpickler
 
     with open(os.path.join(path, ".metadata"), "rb") as f:
-        metadata = _MetadataUnpickler(f).load()
+        metadata = MetadataUnpickler(f).load()
     referenced = sum(info.length for info in metadata.storage_data.values())
     files = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(".distcp"))
     return {"referenced": referenced, "file_bytes": files}
@@ -203,11 +203,130 @@ def load1_kind(root: str, out: str, kind: str) -> dict:
     return {"rank": 0, "step": step, "problems": problems, "loader_position": loader.position}
 
 
+def train(model, optimizer, loader) -> None:
+    model(loader.next_batch()).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def untrusted_mode(root: str, out: str) -> dict:
+    """A value whose unpickling runs code is refused at save; then for each attack (a value,
+    `.metadata`, a tensor item rewritten, manifest fixed up) the newest checkpoint is skipped
+    by latest() and load() alike, and nothing runs."""
+    import copy
+    import pickle
+    import warnings
+
+    from tests.fixtures.checkpoint import Evil, evil_pickle, fix_up_manifest, replace_dcp_item
+
+    marker = os.path.join(out, "ran")
+
+    def bad_metadata(path: str) -> None:
+        with open(os.path.join(path, ".metadata"), "wb") as f:
+            pickle.dump(Evil(marker), f)
+        fix_up_manifest(path)
+
+    attacks = {
+        "value": lambda path: replace_dcp_item(
+            path, lambda fqn: fqn.startswith("optimizer.param_groups") and fqn.endswith(".lr"),
+            evil_pickle(marker)),
+        "metadata": bad_metadata,
+        "tensor": lambda path: replace_dcp_item(path, lambda fqn: fqn.startswith("model."),
+                                                b"not a tensor" * 7),
+    }
+    dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        model, optimizer = build("ddp", True)
+        loader = Loader(rank)
+        ck = Checkpointer(os.path.join(root, "untrusted"), keep=None)
+        optimizer.param_groups[0]["hook"] = Evil(marker)
+        try:
+            ck.save(1, model=model, optimizer=optimizer, loader=loader)
+            refused = None
+        except CheckpointError as exc:
+            refused = str(exc)
+        del optimizer.param_groups[0]["hook"]
+        cases, step = [], 0
+        for kind, attack in attacks.items():
+            step += 1
+            train(model, optimizer, loader)
+            ck.save(step, model=model, optimizer=optimizer, loader=loader).wait()
+            good = copy.deepcopy(full_states(model, optimizer))  # the live tensors move on
+            step += 1
+            train(model, optimizer, loader)
+            bad = ck.save(step, model=model, optimizer=optimizer, loader=loader)
+            bad.wait()
+            dist.barrier()
+            if rank == 0:
+                attack(os.path.join(root, "untrusted", bad.id))
+            dist.barrier()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                latest = ck.latest()
+                model2, optimizer2 = build("ddp", True)
+                loaded = ck.load(model=model2, optimizer=optimizer2, loader=Loader(rank))
+            cases.append({"kind": kind, "good": step - 1, "latest": latest, "loaded": loaded,
+                          "problems": compare(good, full_states(model2, optimizer2)),
+                          "warned": any(bad.id in str(w.message) for w in caught)})
+        ck.close()
+        return {"rank": rank, "refused": refused, "cases": cases, "ran": os.path.exists(marker)}
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def rank0_mode(root: str, out: str) -> dict:
+    """`if rank == 0: ckpt.save(...)`: rank 0 gets a clear error in bounded time, while rank 1
+    waits in a collective of the training group, after rank 1 closed its checkpointer, and
+    (both ranks) while rank 1 is in `load` instead."""
+    import time
+    from datetime import timedelta
+
+    dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        model, optimizer = build("ddp", True)
+        result: dict = {"rank": rank}
+        for case, timeout in (("busy", 6), ("closed", 120), ("other", 120)):
+            ck = Checkpointer(os.path.join(root, case), timeout=timedelta(seconds=timeout))
+            if case == "closed" and rank == 1:
+                ck.close()
+            if case == "closed":
+                dist.barrier()
+            if case == "other" and rank == 1:  # rank 1 in another collective call
+                t0 = time.monotonic()
+                try:
+                    ck.load()
+                    error = None
+                except CheckpointError as exc:
+                    error = str(exc)
+                result[case] = {"error": error, "seconds": time.monotonic() - t0}
+            if rank == 0:
+                t0 = time.monotonic()
+                try:
+                    ck.save(1, model=model, optimizer=optimizer)
+                    ck.wait()
+                    error = None
+                except CheckpointError as exc:
+                    error = str(exc)
+                result[case] = {"error": error, "seconds": time.monotonic() - t0}
+            dist.barrier()  # rank 1 waits here, as in its next step's all-reduce
+            ck.close()
+        return result
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+MODES = {"save": save_mode, "load1": load1_mode, "untrusted": untrusted_mode, "rank0": rank0_mode}
+
+
 def main() -> None:
     mode, root, out = sys.argv[1:4]
     rank = int(os.environ.get("RANK", "0"))
     try:
-        result = save_mode(root, out) if mode == "save" else load1_mode(root, out)
+        result = MODES[mode](root, out)
     except BaseException:
         result = {"rank": rank, "error": traceback.format_exc()}
     with open(os.path.join(out, f"result-{mode}-{rank}.json"), "w") as f:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import threading
+import time
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -242,6 +246,46 @@ def test_handle_wait_reports_the_failure_once(tmp_path):
         handle.wait()
     assert isinstance(e.value.__cause__, OSError)
     ck.close()  # already reported through the handle
+
+
+def test_close_is_bounded_by_timeout_when_a_save_is_stuck(tmp_path):
+    gate = Gate("upload")
+    ck = Checkpointer(tmp_path, _phase_hook=gate, timeout=timedelta(seconds=1))
+    handle = ck.save(1, x=torch.ones(2))
+    assert gate.reached.wait(30)
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointError, match=r"step 1 .*still in flight after 1 s"):
+        ck.close()
+    assert time.monotonic() - t0 < 10
+    gate.release.set()
+    handle.wait(30)  # the writer was left running, not killed: it still commits
+    assert ck.steps() == [1]
+
+
+EXIT_SCRIPT = """
+import sys, threading, torch
+from datetime import timedelta
+from shardloader.checkpoint import Checkpointer
+never = threading.Event()
+hook = lambda phase, ckpt_id, step: never.wait() if phase == "upload" else None
+ck = Checkpointer(sys.argv[1], timeout=timedelta(seconds=2), _phase_hook=hook)
+ck.save(1, x=torch.ones(2))
+print("saved", flush=True)
+"""
+
+
+def test_interpreter_exit_with_a_stuck_save_and_no_close_is_bounded(tmp_path):
+    """The script ends without close() while its save hangs: it exits after `timeout`, saying
+    the save was abandoned, instead of joining the writer forever."""
+    t0 = time.monotonic()
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "saved"
+    assert "abandoned" in proc.stderr and "step 1" in proc.stderr, proc.stderr
+    assert time.monotonic() - t0 < 60
 
 
 def test_retention_keeps_the_newest_complete_checkpoints(tmp_path):

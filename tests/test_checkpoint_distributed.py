@@ -18,7 +18,9 @@ SCRIPT = os.path.join(REPO, "tests", "checkpoint_dist_script.py")
 
 
 def run(cmd: list[str], timeout: float = 240) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    # This checkout's sources first (not whatever shardloader the interpreter has installed).
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.join(REPO, "src"), REPO]))
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{cmd} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
@@ -65,3 +67,46 @@ def test_two_ranks_save_and_load_then_one_process_loads(tmp_path):
     for kind in ("ddp", "fsdp"):
         assert one[kind]["problems"] == [] and one[kind]["step"] == 3, one[kind]
         assert one[kind]["loader_position"] == 3
+
+
+def torchrun(*args: str) -> None:
+    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", SCRIPT, *args])
+
+
+def test_dcp_checkpoints_never_run_code_and_damage_falls_back(tmp_path):
+    """A param_group value whose unpickling would run code is refused at save, naming the key;
+    attacked checkpoints (a value replaced by such a pickle, `.metadata` replaced by one, a
+    tensor item replaced by garbage; manifest checksums fixed up) are skipped by latest() and
+    load() alike on both ranks, which restore the previous checkpoint exactly."""
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    torchrun("untrusted", str(root), str(out))
+    ranks = results(out, "untrusted")
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:
+        assert r["refused"] is not None and "hook" in r["refused"] and "Evil" in r["refused"], r
+        assert [c["kind"] for c in r["cases"]] == ["value", "metadata", "tensor"]
+        for case in r["cases"]:
+            assert case["latest"] == case["good"] and case["loaded"] == case["good"], case
+            assert case["problems"] == [], case
+        assert not r["ran"]
+    assert all(c["warned"] for c in ranks[0]["cases"])
+    assert not (out / "ran").exists()
+
+
+def test_save_called_on_rank_0_only_is_a_clear_error_in_bounded_time(tmp_path):
+    root, out = tmp_path / "root", tmp_path / "out"
+    out.mkdir()
+    torchrun("rank0", str(root), str(out))
+    rank0, rank1 = results(out, "rank0")
+    busy, closed = rank0["busy"], rank0["closed"]
+    for got in (busy, closed):
+        assert got["error"] is not None, got
+        assert "save is collective" in got["error"] and "every rank" in got["error"], got
+        assert "rank 1" in got["error"], got
+    assert busy["seconds"] < 6 + 10, busy  # the timeout, not the rank's exit
+    assert "closed its Checkpointer" in closed["error"] and closed["seconds"] < 30, closed
+    for got in (rank0["other"], rank1["other"]):  # each names the other's call, within seconds
+        assert got["error"] is not None and "called load(step=None)" in got["error"], got
+        assert "called save(step=1)" in got["error"] and got["seconds"] < 30, got

@@ -160,7 +160,7 @@ class _Evil:
 
 
 def test_dcp_metadata_reader_refuses_pickles_that_would_run_code(tmp_path):
-    from shardloader.checkpoint.distributed import SafeFileSystemReader
+    from shardloader.checkpoint.dcp_layout import SafeFileSystemReader
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
     with pytest.raises(CheckpointError, match="posix.system|os.system"):

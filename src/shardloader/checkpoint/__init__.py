@@ -4,6 +4,7 @@ See `Checkpointer` and docs/checkpoint.md (commit protocol, what "complete" mean
 """
 
 from shardloader.checkpoint.catalog import CheckpointWarning
-from shardloader.checkpoint.checkpointer import Checkpointer, CheckpointHandle
+from shardloader.checkpoint.checkpointer import Checkpointer
+from shardloader.checkpoint.handle import CheckpointHandle
 
 __all__ = ["CheckpointHandle", "CheckpointWarning", "Checkpointer"]

@@ -3,8 +3,8 @@
 Complete means: the directory holds a manifest that parses and matches its own checksum.
 Order is commit order (the manifest's `sequence`, one more than the largest sequence among
 complete checkpoints at commit time), so "newest" is the checkpoint committed last, also after
-a deliberate rollback to an older step. Content verification (every file's checksum) is done
-by `verify_entry`, which `latest()` and `load()` use.
+a deliberate rollback to an older step. Content verification (every file's checksum, and that
+it decodes) is the layouts' `verify`, which `latest()` and `load()` use.
 """
 
 from __future__ import annotations
@@ -65,12 +65,6 @@ def list_complete(store: Store, *, warn_damaged: bool = True) -> list[Entry]:
 def next_sequence(store: Store) -> int:
     entries = list_complete(store, warn_damaged=False)
     return entries[-1].manifest.sequence + 1 if entries else 1
-
-
-def verify_entry(store: Store, entry: Entry, names: list[str] | None = None) -> None:
-    """Raise CheckpointError unless every file (or those in `names`) matches the manifest."""
-    for name in sorted(entry.manifest.files) if names is None else names:
-        store.verify(entry.id, name, entry.manifest.files[name])
 
 
 def apply_retention(store: Store, keep: int | None) -> list[str]:

@@ -2,15 +2,17 @@
 
 `save()` captures every state at the step boundary, copies its tensors into the staging pool
 and returns; a background thread writes the local staging files (fsynced, hashed from memory),
-puts them at the destination, writes the manifest last and applies retention. The commit
-protocol and what "complete" means are in docs/checkpoint.md.
+puts them at the destination, writes the manifest last and applies retention. What the files
+are is a layout's business (`layout`: one process; `dcp_layout`: torch.distributed); the commit
+path, verification and fallback are here, once, for both. The commit protocol and what
+"complete" means are in docs/checkpoint.md.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import hashlib
-import json
 import logging
 import os
 import secrets
@@ -18,71 +20,28 @@ import shutil
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-import torch
-
 from shardloader.checkpoint import capture, catalog, rng
 from shardloader.checkpoint.catalog import Entry, warn
-from shardloader.checkpoint.manifest import Manifest, checkpoint_id
-from shardloader.checkpoint.staging import StagingPool, plan_rounds, pool_bytes_needed
+from shardloader.checkpoint.group import LocalGroup, make_group
+from shardloader.checkpoint.handle import CheckpointHandle, start_writer
+from shardloader.checkpoint.layout import DamagedCheckpoint, Layout, LayoutContext, SingleLayout
+from shardloader.checkpoint.manifest import FileEntry, Manifest, checkpoint_id
+from shardloader.checkpoint.parts import Staged
+from shardloader.checkpoint.staging import StagingPool
 from shardloader.checkpoint.storage import LocalStore, Store, open_store
-from shardloader.checkpoint.tensorfile import encode_header, plan_layout, read_tensor_file
-from shardloader.checkpoint.tree import flatten, unflatten
-from shardloader.checkpoint.writer import RoundHandoff, StagedPart, write_part
 from shardloader.errors import CheckpointError
-from shardloader.format.checksum import new_hasher, parse_checksum
 
 log = logging.getLogger(__name__)
 
 ON_BUSY = ("wait", "skip")
-SINGLE_BASE = "state"
 PHASES = ("stage", "write", "upload", "commit", "retention")
 
 PhaseHook = Callable[[str, str, int], None]
-
-
-class CheckpointHandle:
-    """One `save()`: `done()`, `wait()`, and its phase timings once finished."""
-
-    def __init__(self, step: int, ckpt_id: str | None, url: str | None, *, skipped: bool = False):
-        self.step = step
-        self.id = ckpt_id
-        self.url = url
-        self.skipped = skipped
-        self.timings: dict[str, float] = {}
-        self.nbytes = 0
-        self._future: concurrent.futures.Future | None = None
-        self._reported = False
-        self._t_start = time.perf_counter()
-        self._staged = threading.Event()  # save() returned: its timings are final
-
-    def done(self) -> bool:
-        return self._future is None or self._future.done()
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until the checkpoint is complete; raise CheckpointError if it failed."""
-        if self._future is None:
-            return
-        try:
-            self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"checkpoint {self.url} not complete after {timeout} s") from None
-        except BaseException:
-            self._reported = True
-            raise
-
-    @property
-    def error(self) -> BaseException | None:
-        if self._future is None or not self._future.done():
-            return None
-        return self._future.exception()
-
-    def __repr__(self) -> str:
-        status = "skipped" if self.skipped else ("done" if self.done() else "in flight")
-        return f"CheckpointHandle(step={self.step}, id={self.id!r}, {status})"
 
 
 class Checkpointer:
@@ -100,6 +59,9 @@ class Checkpointer:
     distributed: use torch.distributed (default: when a process group of world size > 1 is
         initialised). Then construction is collective: every rank must create its Checkpointer
         in the same order, and save/load must be called on every rank.
+    timeout: the bound on every wait: for the other ranks to make the same collective call
+        (a call made on some ranks only is an error naming them), for collectives, and for
+        the save in flight in `save`/`load`/`close`.
     """
 
     def __init__(
@@ -124,31 +86,27 @@ class Checkpointer:
             raise ValueError(f"keep must be a positive int or None, got {keep!r}")
         if telemetry is not None and not callable(getattr(telemetry, "log_metrics", None)):
             raise TypeError("telemetry must have a log_metrics(dict, step) method")
+        if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout must be a positive timedelta, got {timeout!r}")
         self.keep = keep
         self.on_busy = on_busy
         self.telemetry = telemetry
+        self.timeout = timeout
         self._hook = _phase_hook
-        self._storage_options = storage_options
         self._store: Store = open_store(os.fspath(root), storage_options)
         self.root = self._store.url
         self._pool = StagingPool(
             cap_bytes=staging_bytes, memory_fraction=memory_fraction, pin_memory=pin_memory
         )
-        self._dist = None
-        if distributed is None:
-            distributed = _dist_world_size() > 1
-        if distributed:
-            from shardloader.checkpoint.distributed import DistContext
-
-            self._dist = DistContext(timeout=timeout)
-        self.rank = self._dist.rank if self._dist else 0
-        self.world_size = self._dist.world_size if self._dist else 1
-        nonce = secrets.token_hex(4)
-        self._nonce = self._dist.broadcast(nonce) if self._dist else nonce
+        self._group = make_group(distributed, timeout, f"Checkpointer({self.root!r})")
+        self.rank, self.world_size = self._group.rank, self._group.world_size
+        self._nonce = self._group.broadcast(secrets.token_hex(4))
         self._counter = 0
+        self._ctx = LayoutContext(self._store, storage_options, self._group, self._pool)
+        self._layouts: dict[str, Layout] = {}
+        self._layout = self._layout_named("single" if isinstance(self._group, LocalGroup) else "dcp")
         self._staging = self._staging_root(staging_dir)
         self._move = isinstance(self._store, LocalStore) and self._store.same_device(self._staging)
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="shardloader-ckpt")
         self._lock = threading.Lock()
         # Retention (background) never deletes a checkpoint while latest()/load() is reading
         # the catalog in this process (they would see the newest vanish mid-verification).
@@ -163,8 +121,21 @@ class Checkpointer:
         self.loaded_extra: dict[str, Any] = {}
         self.loaded: dict[str, Any] | None = None
         self._startup_cleanup()
+        self._at_exit = _ExitWait(weakref.ref(self))
+        atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------------------ setup
+    def _layout_named(self, name: str) -> Layout:
+        """The layout that writes and reads checkpoints whose manifest names `name`."""
+        if name not in self._layouts:
+            if name == "single":
+                self._layouts[name] = SingleLayout(self._ctx)
+            else:
+                from shardloader.checkpoint.dcp_layout import DcpLayout
+
+                self._layouts[name] = DcpLayout(self._ctx)
+        return self._layouts[name]
+
     def _staging_root(self, staging_dir: str | os.PathLike | None) -> str:
         key = hashlib.sha1(self.root.encode()).hexdigest()[:12]
         if staging_dir is not None:
@@ -188,8 +159,7 @@ class Checkpointer:
             removed = catalog.clean_incomplete(self._store)
             if removed:
                 log.info("removed %d incomplete checkpoints under %s: %s", len(removed), self.root, removed)
-        if self._dist:
-            self._dist.barrier()
+        self._group.barrier()
 
     # ------------------------------------------------------------------------------ save
     def save(self, step: int, *, model: Any = None, optimizer: Any = None, loader: Any = None,
@@ -198,15 +168,17 @@ class Checkpointer:
 
         Blocks for the copy into the staging pool (and, with on_busy="wait", for a previous
         save still in flight). Raises the error of a failed previous save instead of saving.
+        A value that cannot be stored as plain data is a CheckpointError naming its key.
         """
         t_call = time.perf_counter()
         self._check_open()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._group.enter(f"save(step={step})")
         self._raise_pending()
         busy = self._inflight is not None and not self._inflight.done()
-        if self.on_busy == "skip" and self._dist:
-            busy = self._dist.any(busy)  # every rank skips the same saves
+        if self.on_busy == "skip":
+            busy = self._group.any(busy)  # every rank skips the same saves
         if busy and self.on_busy == "skip":
             with self._lock:
                 self._stats["skipped"] += 1
@@ -227,24 +199,14 @@ class Checkpointer:
         handle._t_start = t_call
         self._phase("stage", handle)
         t_stage = time.perf_counter()
-        if self._dist:
-            dist_ctx = self._dist
-            job = dist_ctx.stage(self, handle, model, optimizer, loader, extra)
-            part, handoff = job.part, job.handoff
-
-            def write() -> None:
-                dist_ctx.write(self, handle, job)
-        else:
-            part, handoff, fingerprint = self._stage_single(handle, model, optimizer, loader, extra)
-
-            def write() -> None:
-                self._write_single(handle, part, handoff, fingerprint)
+        staged = self._stage_everywhere(handle, model, optimizer, loader, extra)
+        handle.nbytes = staged.nbytes
         with self._lock:
             self._stats["started"] += 1
-        handle._future = self._executor.submit(self._run, handle, write)
+        handle._future = start_writer(lambda: self._run(handle, lambda: self._commit(handle, staged)))
         self._inflight = handle
         try:
-            self._stream_rest(handle, part, handoff)
+            self._stream_rest(handle, staged)
         finally:
             handle.timings["stage_s"] = time.perf_counter() - t_stage
             handle.timings["busy_wait_s"] = busy_wait
@@ -252,49 +214,43 @@ class Checkpointer:
             handle._staged.set()
         return handle
 
-    def _stage_single(self, handle, model, optimizer, loader, extra):
-        state = capture.capture_local(loader, extra)
-        if model is not None:
-            state["model"] = _unwrap(model).state_dict()
-        if optimizer is not None:
-            state["optimizer"] = optimizer.state_dict()
-        skeleton, tensors, paths = flatten(state)
-        part, handoff = self._stage_part(SINGLE_BASE, handle, skeleton, tensors, paths)
-        return part, handoff, capture.loader_fingerprint(state)
+    def _stage_everywhere(self, handle: CheckpointHandle, model: Any, optimizer: Any,
+                          loader: Any, extra: dict[str, Any]) -> Staged:
+        """Stage on this rank; every rank learns whether every rank could (so that none
+        starts a background write whose collectives the others would never join)."""
+        staged, error = None, None
+        try:
+            staged = self._layout.stage(handle.id, handle.step, model, optimizer, loader, extra)
+        except Exception as exc:
+            error = exc
+        problems = self._group.all_gather(
+            None if error is None else f"rank {self.rank}: {type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        others = [p for p in problems if p is not None]
+        if others:
+            raise CheckpointError(f"save(step={handle.step}) failed on another rank: {others[0]}")
+        assert staged is not None
+        return staged
 
-    def _stage_part(self, base: str, handle: CheckpointHandle, skeleton: Any,
-                    tensors: list[torch.Tensor], paths: list[str]) -> tuple[StagedPart, RoundHandoff]:
-        """Plan the tensor file, size the pool, copy the first round in. Main thread."""
-        metas = plan_layout([str(i) for i in range(len(tensors))], tensors)
-        doc = {"id": handle.id, "step": handle.step, "paths": paths, "state": skeleton}
-        skeleton_bytes = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
-        needed = pool_bytes_needed(metas)
-        rounds = plan_rounds(metas, self._pool.capacity_for(needed))
-        self._pool.reserve(max(16, *(r.nbytes for r in rounds)))
-        part = StagedPart(base, metas, rounds, encode_header(metas), skeleton_bytes)
-        self._pool.copy_in(rounds[0], tensors)
-        handle._tensors = tensors if len(rounds) > 1 else None  # type: ignore[attr-defined]
-        handle.nbytes = sum(m.nbytes for m in metas)
-        return part, RoundHandoff(len(rounds))
-
-    def _stream_rest(self, handle: CheckpointHandle, part: StagedPart, handoff: RoundHandoff) -> None:
+    def _stream_rest(self, handle: CheckpointHandle, staged: Staged) -> None:
         """Rounds 1.. of a state larger than the pool: wait for the writer to drain, copy.
 
         When the writer fails meanwhile, streaming stops; its error is raised by the next call.
         """
-        tensors = getattr(handle, "_tensors", None)
+        rounds, handoff = staged.part.rounds, staged.handoff
         try:
-            for k in range(1, len(part.rounds)):
+            for k in range(1, len(rounds)):
                 if not handoff.wait_drained(k - 1):
                     break
-                self._pool.copy_in(part.rounds[k], tensors)
+                self._pool.copy_in(rounds[k], staged.tensors)
                 handoff.staged()
         except BaseException:
             handoff.abort()
             handle._reported = True  # this call raises; the job's StreamAborted is not news
             raise
         finally:
-            handle._tensors = None  # type: ignore[attr-defined]
+            staged.tensors = None
 
     # ---------------------------------------------------------------------------- background
     def _run(self, handle: CheckpointHandle, job: Callable[[], None]) -> None:
@@ -332,49 +288,75 @@ class Checkpointer:
             self._log_metrics({f"checkpoint/{k}": float(v) for k, v in handle.timings.items()}
                               | {"checkpoint/bytes": float(handle.nbytes)}, handle.step)
 
-    def _write_single(self, handle: CheckpointHandle, part: StagedPart, handoff: RoundHandoff,
-                      fingerprint: Any) -> None:
+    def _commit(self, handle: CheckpointHandle, staged: Staged) -> None:
+        """The one commit path, every layout and world size: write the layout's files into
+        local staging, put them at the destination, then rank 0 writes the manifest once
+        every rank reported its files in place; the outcome is shared, so all handles agree."""
         stage_dir = os.path.join(self._staging, handle.id)
-        made_remote = False
+        files: dict[str, FileEntry] = {}
+        error: BaseException | None = None
+        made = False
         try:
             self._phase("write", handle)
             t0 = time.perf_counter()
             try:
                 os.makedirs(stage_dir)
-                files = write_part(stage_dir, part, self._pool, handoff)
+                files = self._layout.write(staged, stage_dir)
             except BaseException:
-                handoff.fail()  # a saver waiting for the pool must not wait forever
+                staged.handoff.fail()  # a saver waiting for the pool must not wait forever
                 raise
             t1 = time.perf_counter()
             handle.timings["write_s"] = t1 - t0
             self._phase("upload", handle)
-            self._store.make_dir(handle.id, exist_ok=False)
-            made_remote = True
-            for name in part.names:
+            self._store.make_dir(handle.id, exist_ok=self.world_size > 1)
+            made = True
+            for name in sorted(files):
                 self._store.put(os.path.join(stage_dir, name), handle.id, name, move=self._move)
             self._store.seal_dir(handle.id)
-            t2 = time.perf_counter()
-            handle.timings["upload_s"] = t2 - t1
+            handle.timings["upload_s"] = time.perf_counter() - t1
             self._phase("commit", handle)
-            handle._staged.wait()  # the stage timings go into the manifest too
-            manifest = Manifest(
-                id=handle.id, step=handle.step, sequence=catalog.next_sequence(self._store),
-                layout="single", world_size=1, files=files, loader_fingerprint=fingerprint,
-                timings={k: round(v, 6) for k, v in handle.timings.items()},
-            )
-            self._store.write_manifest(handle.id, manifest.to_json())
-            handle.timings["commit_s"] = time.perf_counter() - t2
-        except BaseException:
-            if made_remote:
-                self._discard(handle.id)
-            raise
+        except BaseException as exc:  # still take part in the commit round, reporting failure
+            error = exc
         finally:
             shutil.rmtree(stage_dir, ignore_errors=True)
+        handle._staged.wait()  # save() returned on this rank: its stage timings are final
+        t2 = time.perf_counter()
+        report = (None if error is None else f"rank {self.rank}: {type(error).__name__}: {error}",
+                  made, {k: (v.bytes, v.checksum) for k, v in files.items()})
+        parts = self._group.bg_gather(report)
+        outcome = None
+        if parts is not None:  # rank 0
+            errors = [e for e, _, _ in parts if e is not None]
+            if errors:
+                outcome = "; ".join(errors)
+            else:
+                merged = {k: FileEntry(*v) for _, _, part in parts for k, v in part.items()}
+                try:
+                    manifest = Manifest(
+                        id=handle.id, step=handle.step, sequence=catalog.next_sequence(self._store),
+                        layout=self._layout.name, world_size=self.world_size, files=merged,
+                        loader_fingerprint=staged.fingerprint,
+                        timings={k: round(v, 6) for k, v in handle.timings.items()},
+                    )
+                    self._store.write_manifest(handle.id, manifest.to_json())
+                except BaseException as exc:
+                    outcome = f"rank 0 could not write the manifest: {type(exc).__name__}: {exc}"
+                    error = error or exc
+            if outcome is not None and any(m for _, m, _ in parts):
+                self._discard(handle.id)
+        outcome = self._group.bg_broadcast(outcome)
+        handle.timings["commit_s"] = time.perf_counter() - t2
+        if error is not None:
+            raise error
+        if outcome is not None:
+            raise CheckpointError(f"another rank failed: {outcome}")
 
     def _discard(self, ckpt_id: str) -> None:
         """Best effort removal of a failed checkpoint (it has no manifest: never listed)."""
         try:
             self._store.delete(ckpt_id)
+        except FileNotFoundError:
+            pass
         except Exception as exc:
             log.warning("could not remove failed checkpoint %s (startup cleanup will): %r",
                         self._store.url_of(ckpt_id), exc)
@@ -398,10 +380,18 @@ class Checkpointer:
             raise CheckpointError(f"Checkpointer for {self.root} is closed")
 
     def _wait_inflight(self) -> None:
+        """Wait for the save in flight, at most `timeout`; raise its error if it failed."""
         handle = self._inflight
         if handle is None:
             return
-        concurrent.futures.wait([handle._future])
+        limit = self.timeout.total_seconds()
+        done, _ = concurrent.futures.wait([handle._future], timeout=limit)
+        if not done:
+            raise CheckpointError(
+                f"the save of step {handle.step} ({handle.url}) is still in flight after "
+                f"{limit:.0f} s; stopped waiting (it is listed only if it commits before this "
+                "process exits)"
+            )
         self._raise_pending()
 
     def _raise_pending(self) -> None:
@@ -416,21 +406,25 @@ class Checkpointer:
             raise error
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is complete; raise if it failed."""
+        """Block until the save in flight (if any) is complete (at most `timeout`); raise if it
+        failed."""
         self._wait_inflight()
 
     def close(self) -> None:
-        """Wait for the save in flight, stop the writer, free the pool. Raises a pending error."""
+        """Wait (at most `timeout`) for the save in flight, free the pools. Raises a pending
+        error. Not collective: the other ranks learn that this one will call nothing more."""
         if self._closed:
             return
         try:
             self._wait_inflight()
         finally:
             self._closed = True
-            self._executor.shutdown(wait=True)
-            self._pool.release()
-            if self._dist:
-                self._dist.close()
+            atexit.unregister(self._at_exit)
+            if self._inflight is None or self._inflight.done():  # else the writer still uses them
+                self._pool.release()
+                for layout in self._layouts.values():
+                    layout.close()
+            self._group.close()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -452,26 +446,28 @@ class Checkpointer:
         return [e.step for e in catalog.list_complete(self._store)]
 
     def latest(self, *, verify: bool = True) -> int | None:
-        """The step of the newest complete checkpoint whose files verify, or None.
+        """The step of the newest complete checkpoint that `load()` would use, or None.
 
-        A checkpoint that fails verification is skipped with a CheckpointWarning naming it.
+        With `verify`, every file is checked against the manifest and decoded as data, as
+        `load()` does; a checkpoint that fails is skipped with a CheckpointWarning naming it.
+        Not collective.
         """
-        entry = self._latest_entry(verify=verify)
-        return None if entry is None else entry.step
-
-    def _latest_entry(self, *, verify: bool) -> Entry | None:
         with self._catalog_lock:
-            return self._latest_entry_locked(verify=verify)
+            for entry in reversed(catalog.list_complete(self._store)):
+                if not verify:
+                    return entry.step
+                problem = self._problem(entry, None)
+                if problem is None:
+                    return entry.step
+                warn(f"skipping checkpoint {self._store.url_of(entry.id)}: {problem}")
+        return None
 
-    def _latest_entry_locked(self, *, verify: bool) -> Entry | None:
-        for entry in reversed(catalog.list_complete(self._store)):
-            if not verify:
-                return entry
-            try:
-                catalog.verify_entry(self._store, entry)
-                return entry
-            except CheckpointError as exc:
-                warn(f"skipping checkpoint {self._store.url_of(entry.id)}: {exc}")
+    def _problem(self, entry: Entry, names: list[str] | None) -> str | None:
+        """Why `entry` is not usable (its files, or `names` of them), or None."""
+        try:
+            self._layout_named(entry.manifest.layout).verify(entry, names)
+        except CheckpointError as exc:
+            return str(exc)
         return None
 
     def stats(self) -> dict[str, Any]:
@@ -488,40 +484,76 @@ class Checkpointer:
     # ---------------------------------------------------------------------------- load
     def load(self, step: int | None = None, *, model: Any = None, optimizer: Any = None,
              loader: Any = None, **extra: Any) -> int:
-        """Restore every state from checkpoint `step` (default: the newest that verifies).
+        """Restore every state from checkpoint `step` (default: the newest usable one, the one
+        `latest()` names).
 
         Model, optimizer, loader, extras (Stateful objects, dicts and lists, in place) and the
-        global RNGs are restored, so training continues as if never interrupted. Returns the step.
+        global RNGs are restored, so training continues as if never interrupted. Returns the
+        step. A checkpoint whose bytes do not verify or decode is skipped with a warning (with
+        an explicit `step`: a CheckpointError); one that does not fit the objects is an error.
         """
         self._check_open()
+        self._group.enter(f"load(step={step})")
         self._wait_inflight()
-        if self._dist:
-            return self._dist.load(self, step, model, optimizer, loader, extra)
         with self._catalog_lock:
-            return self._load_single_process(step, model, optimizer, loader, extra)
-
-    def _load_single_process(self, step: int | None, model: Any, optimizer: Any, loader: Any,
-                             extra: dict[str, Any]) -> int:
-        for entry in self._candidates(step):
-            name = f"checkpoint {self._store.url_of(entry.id)} (step {entry.step})"
-            try:
-                if entry.manifest.layout == "single":
-                    state = self.read_state(entry)
-                else:  # written by several ranks: DCP reads the model/optimizer files itself
-                    catalog.verify_entry(self._store, entry)
-            except CheckpointError as exc:
-                if step is not None:
-                    raise
-                warn(f"skipping checkpoint {self._store.url_of(entry.id)}: {exc}")
-                continue
-            if entry.manifest.layout == "single":
-                self._restore(entry, name, state, model, optimizer, loader, extra)
-            else:
-                from shardloader.checkpoint.distributed import restore_entry
-
-                restore_entry(self, entry, model, optimizer, loader, extra, rank=0, world_size=1)
-            return entry.step
+            offer: Any = None
+            if self.rank == 0:
+                try:
+                    offer = [(e.id, e.manifest.to_json()) for e in self._candidates(step)]
+                except CheckpointError as exc:
+                    offer = str(exc)
+            offer = self._group.broadcast(offer)
+            if isinstance(offer, str):
+                raise CheckpointError(offer)
+            for ckpt_id, manifest_bytes in offer:
+                source = self._store.url_of(ckpt_id)
+                entry = Entry(ckpt_id, Manifest.from_json(manifest_bytes, source=source))
+                if self._load_entry(entry, step, model, optimizer, loader, extra):
+                    return entry.step
         raise CheckpointError(f"{self.root}: no complete checkpoint that verifies")
+
+    def _load_entry(self, entry: Entry, step: int | None, model: Any, optimizer: Any,
+                    loader: Any, extra: dict[str, Any]) -> bool:
+        """Restore `entry` on every rank, or return False (all ranks) when it is damaged."""
+        source = self._store.url_of(entry.id)
+        name = f"checkpoint {source} (step {entry.step})"
+        names = sorted(entry.manifest.files)
+        mine = names[self.rank :: self.world_size]  # each rank verifies a share
+        problem = self._problem(entry, mine)
+        problems = [p for p in self._group.all_gather(problem) if p is not None]
+        if problems:
+            self._skip(source, step, problem, problems[0])
+            return False
+        layout = self._layout_named(entry.manifest.layout)
+        error: BaseException | None = None
+        status: tuple[str, str] | None = None
+        try:
+            local = layout.restore(entry, name, model, optimizer, loader, extra)
+        except DamagedCheckpoint as exc:
+            error, status = exc, ("damaged", str(exc))
+        except BaseException as exc:  # the caller's objects do not fit: not the checkpoint's fault
+            error, status = exc, ("fatal", f"rank {self.rank}: {type(exc).__name__}: {exc}")
+        statuses = [s for s in self._group.all_gather(status) if s is not None]
+        fatal = [m for kind, m in statuses if kind == "fatal"]
+        if error is not None and (status[0] == "fatal" or step is not None):
+            raise error
+        if fatal:
+            raise CheckpointError(f"{name}: {fatal[0]}")
+        if statuses:
+            self._skip(source, step, status and status[1], statuses[0][1])
+            return False
+        capture.restore_extra(extra, local, name)
+        self.loaded_extra = local.get("extra", {})
+        self.loaded = {"step": entry.step, "id": entry.id, "url": source}
+        rng.restore(local["rng"], source=name)
+        return True
+
+    def _skip(self, source: str, step: int | None, mine: str | None, first: str) -> None:
+        """A damaged checkpoint: an error when it was asked for, else a warning and fallback."""
+        if step is not None:
+            raise CheckpointError(f"cannot load checkpoint {source}: {mine or first}")
+        if mine is not None or self.rank == 0:
+            warn(f"skipping checkpoint {source}: {mine or 'another rank found damage: ' + first}")
 
     def _candidates(self, step: int | None) -> list[Entry]:
         entries = list(reversed(catalog.list_complete(self._store)))
@@ -537,66 +569,26 @@ class Checkpointer:
             )
         return chosen[:1]
 
-    def read_state(self, entry: Entry, base: str = SINGLE_BASE) -> dict[str, Any]:
-        """Read and verify one part (`<base>.safetensors` + `<base>.json`) into a state tree."""
-        tensor_name, json_name = f"{base}.safetensors", f"{base}.json"
-        files = entry.manifest.files
-        for name in (tensor_name, json_name):
-            if name not in files:
-                raise CheckpointError(f"{self._store.url_of(entry.id)}: manifest lists no {name}")
-        tensors = self._read_tensors(entry, tensor_name)
-        url = self._store.url_of(f"{entry.id}/{json_name}")
-        raw = self._store.read_verified(entry.id, json_name, files[json_name])
-        try:
-            doc = json.loads(raw.numpy().tobytes())
-            skeleton = doc["state"]
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"{url}: state file is malformed: {exc}") from None
-        if sorted(tensors, key=int) != [str(i) for i in range(len(tensors))]:
-            raise CheckpointError(f"{url}: tensor names are not 0..{len(tensors) - 1}")
-        return unflatten(skeleton, [tensors[str(i)] for i in range(len(tensors))], source=url)
-
-    def _read_tensors(self, entry: Entry, name: str) -> dict[str, torch.Tensor]:
-        file_entry = entry.manifest.files[name]
-        url = self._store.url_of(f"{entry.id}/{name}")
-        size = self._store.checked_size(entry.id, name, file_entry)
-        algorithm, _ = parse_checksum(file_entry.checksum)
-        hasher = new_hasher(algorithm)
-        try:
-            with self._store.open(entry.id, name) as f:
-                tensors = read_tensor_file(f, size=size, hasher=hasher, source=url)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{exc} (checkpoint does not verify)") from None
-        self._store.check_digest(url, algorithm, hasher, file_entry)
-        return tensors
-
-    def _restore(self, entry: Entry, name: str, state: dict[str, Any], model: Any,
-                 optimizer: Any, loader: Any, extra: dict[str, Any]) -> None:
-        capture.check_restorable(state, name, loader=loader, extra=extra,
-                                 wants={"model": model, "optimizer": optimizer})
-        capture.restore_loader(loader, state, name)
-        if model is not None:
-            capture.restore_module(_unwrap(model), state["model"], name)
-        if optimizer is not None:
-            capture.restore_optimizer(optimizer, state["optimizer"], name)
-        capture.restore_extra(extra, state, name)
-        self.loaded_extra = state.get("extra", {})
-        self.loaded = {"step": entry.step, "id": entry.id, "url": self._store.url_of(entry.id)}
-        rng.restore(state["rng"], source=name)
-
     def __repr__(self) -> str:
         return f"Checkpointer({self.root!r}, keep={self.keep}, on_busy={self.on_busy!r})"
 
 
-def _unwrap(model: Any) -> Any:
-    """The module inside DistributedDataParallel / DataParallel (whose keys lack 'module.')."""
-    return getattr(model, "module", model) if type(model).__name__ in (
-        "DistributedDataParallel", "DataParallel") else model
+class _ExitWait:
+    """At interpreter exit, wait (at most `timeout`) for a save still in flight of a
+    checkpointer that was never closed, so a script's last save is not lost, and say so."""
 
+    def __init__(self, ref: weakref.ref) -> None:
+        self.ref = ref
 
-def _dist_world_size() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return 0
+    def __call__(self) -> None:
+        ckpt = self.ref()
+        if ckpt is None or ckpt._closed or ckpt._inflight is None:
+            return
+        handle = ckpt._inflight
+        limit = ckpt.timeout.total_seconds()
+        done, _ = concurrent.futures.wait([handle._future], timeout=limit)
+        if not done:
+            log.error("interpreter exit: the save of step %d (%s) did not finish within %.0f s "
+                      "and is abandoned (never listed)", handle.step, handle.url, limit)
+        elif handle.error is not None and not handle._reported:
+            log.error("interpreter exit: the save of step %d failed: %s", handle.step, handle.error)

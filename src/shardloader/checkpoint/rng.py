@@ -43,6 +43,23 @@ def capture() -> dict[str, Any]:
 
 def restore(state: dict[str, Any], *, source: str) -> None:
     """Set every global generator to `state` (from `capture`). `source` names it in errors."""
+    py_state, np_state, torch_state, cuda_states = parse(state, source=source)
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+    torch.set_rng_state(torch_state)
+    if cuda_states:
+        if not torch.cuda.is_available():
+            raise StateError(
+                f"{source}: the checkpoint holds RNG states for {len(cuda_states)} CUDA devices "
+                "but CUDA is not available here"
+            )
+        n = torch.cuda.device_count()
+        for device, s in enumerate(cuda_states[:n]):
+            torch.cuda.set_rng_state(s, device)
+
+
+def parse(state: Any, *, source: str) -> tuple[Any, Any, torch.Tensor, list[torch.Tensor]]:
+    """Validate a captured state: (python, numpy, torch, cuda states); StateError if malformed."""
     try:
         if state["version"] != VERSION:
             raise StateError(f"{source}: RNG state version {state['version']} is not {VERSION}")
@@ -58,20 +75,13 @@ def restore(state: dict[str, Any], *, source: str) -> None:
         )
         torch_state = _unb64(state["torch"])
         cuda_states = [_unb64(s) for s in state["cuda"]]
+        if len(py_state[1]) != len(random.getstate()[1]) or len(np_state[1]) != 624:
+            raise ValueError("generator state has the wrong length")
+        if torch_state.numel() != torch.get_rng_state().numel():
+            raise ValueError(f"torch generator state has {torch_state.numel()} bytes")
     except (KeyError, TypeError, ValueError) as exc:
         raise StateError(f"{source}: malformed RNG state ({type(exc).__name__}: {exc})") from None
-    random.setstate(py_state)
-    np.random.set_state(np_state)
-    torch.set_rng_state(torch_state)
-    if cuda_states:
-        if not torch.cuda.is_available():
-            raise StateError(
-                f"{source}: the checkpoint holds RNG states for {len(cuda_states)} CUDA devices "
-                "but CUDA is not available here"
-            )
-        n = torch.cuda.device_count()
-        for device, s in enumerate(cuda_states[:n]):
-            torch.cuda.set_rng_state(s, device)
+    return py_state, np_state, torch_state, cuda_states
 
 
 def _b64(t: torch.Tensor) -> str:

@@ -38,14 +38,6 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class Store:
     """Operations on a checkpoint root. Paths passed in are relative to the root."""
 

@@ -179,10 +179,7 @@ def read_tensor_file(f, *, size: int, hasher, source: str) -> dict[str, torch.Te
     Each tensor gets its own allocation (so a caller that keeps one tensor does not keep the
     whole file alive). The caller must compare the hash before using the tensors.
     """
-    first8 = _read_exact(f, 8, source, hasher)
-    n = header_length(first8, source=source, file_size=size)
-    header = _read_exact(f, n, source, hasher)
-    data_start, metas = decode_header(first8 + header, source=source, file_size=size)
+    _, metas = read_header(f, size=size, hasher=hasher, source=source)
     out = {}
     for m in sorted(metas, key=lambda m: m.begin):
         t = torch.empty(m.shape, dtype=m.dtype)
@@ -199,6 +196,15 @@ def read_tensor_file(f, *, size: int, hasher, source: str) -> dict[str, torch.Te
     if f.read(1):
         raise CheckpointError(f"{source}: file has bytes after its last tensor")
     return out
+
+
+def read_header(f, *, size: int, hasher, source: str) -> tuple[int, list[TensorMeta]]:
+    """Read and validate the header at the start of the stream `f` (hashing it):
+    `(data_start, metas)`, the stream left at the start of the data section."""
+    first8 = _read_exact(f, 8, source, hasher)
+    n = header_length(first8, source=source, file_size=size)
+    header = _read_exact(f, n, source, hasher)
+    return decode_header(first8 + header, source=source, file_size=size)
 
 
 def _read_exact(f, n: int, source: str, hasher) -> bytes:
