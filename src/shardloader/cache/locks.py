@@ -149,11 +149,3 @@ def make_private_dir(path: str) -> None:
             raise NotADirectoryError(errno.ENOTDIR, "cache path exists and is not a directory", path) from None
     except FileNotFoundError:
         os.makedirs(path, mode=DIR_MODE, exist_ok=True)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

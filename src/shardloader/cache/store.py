@@ -49,13 +49,13 @@ from shardloader.cache.locks import (
     after_fork_in_child,
     close_fd,
     exclusive,
-    fsync_dir,
     held_elsewhere,
     pin,
     try_exclusive,
 )
 from shardloader.cache.pressure import POLL_SECONDS, PressureSignal, PressureWatcher
 from shardloader.errors import CacheFullError, ShardError, ShardloaderError
+from shardloader.fileio import fsync_dir
 from shardloader.format.checksum import checksum_fd, parse_checksum
 from shardloader.format.index import ShardInfo
 from shardloader.units import format_size

@@ -23,19 +23,12 @@ import torch
 
 from shardloader.checkpoint.manifest import MANIFEST_NAME, FileEntry, parse_id
 from shardloader.errors import CheckpointError
+from shardloader.fileio import fsync_dir
 from shardloader.format.checksum import new_hasher, parse_checksum
 from shardloader.format.paths import join_url
 from shardloader.source import is_local, strip_file_scheme
 
 CHUNK = 8 << 20
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Store:

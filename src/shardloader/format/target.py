@@ -16,6 +16,7 @@ from typing import Any
 
 import fsspec
 
+from shardloader.fileio import fsync_dir
 from shardloader.source import is_local, strip_file_scheme
 
 
@@ -52,11 +53,7 @@ class OutputDir:
             with open(temp, "rb") as f:
                 os.fsync(f.fileno())
             os.replace(temp, self.final_path(name))
-            dir_fd = os.open(self.root, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            fsync_dir(self.root)
         else:
             self.fs.put_file(temp, self.final_path(name))
             os.remove(temp)
