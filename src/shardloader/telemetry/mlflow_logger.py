@@ -49,6 +49,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import shardloader
+from shardloader.distenv import process_group_active, rank_and_world
 from shardloader.telemetry._mlflow_delivery import (
     Delivery,
     experiment_id_for,
@@ -80,14 +81,7 @@ _REPLY_MARGIN = 0.2
 
 def current_rank() -> int:
     """This process's rank: torch.distributed's when initialised, else $RANK, else 0."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:  # pragma: no cover - torch is a dependency
-        pass
-    return int(os.environ.get("RANK", "0"))
+    return rank_and_world(env_fallback=True)[0]
 
 
 class MLflowLogger(BackgroundSink):
@@ -594,6 +588,4 @@ atexit.register(_close_live_loggers)
 def _broadcast_needed(all_ranks: bool, run_id: str | None) -> bool:
     if not all_ranks or run_id is not None:
         return False
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return process_group_active() and rank_and_world()[1] > 1
