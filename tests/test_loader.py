@@ -28,7 +28,9 @@ def dataset_dir(tmp_path_factory):
 
 
 def make(dataset_dir, **kw):
-    args = dict(batch_size=8, seed=5, transform=noisy_crop, partitions=4, window=2)
+    # The defaults these tests were written for (before DataLoader's became the defaults).
+    args = dict(batch_size=8, seed=5, transform=noisy_crop, partitions=4, window=2,
+                shuffle=True, tail="pad", persistent_workers=True)
     args.update(kw)
     return Loader(Dataset(dataset_dir), **args)
 
@@ -227,7 +229,8 @@ def test_thread_workers_never_close_a_reader_in_use(dataset_dir):
     not close each other's readers (a closed memory map would crash or return wrong bytes)."""
     reference = take(make(dataset_dir), 30)
     loader = Loader(Dataset(dataset_dir, max_open_shards=1), batch_size=8, seed=5,
-                    transform=noisy_crop, partitions=4, window=2, num_workers=3, worker_type="thread")
+                    transform=noisy_crop, partitions=4, window=2, num_workers=3, worker_type="thread",
+                    shuffle=True, tail="pad")
     assert take(loader, 30) == reference
     assert len(loader.dataset._readers) <= 1
     loader.close()
