@@ -63,7 +63,7 @@ def test_defaults_are_dataloaders_every_sample_once_with_a_short_last_batch():
     loader = Loader(Pairs(), batch_size=16)
     seen = []
     sizes = []
-    for images, labels in loader:
+    for _images, labels in loader:
         seen.extend(loader.last_indices.tolist())
         sizes.append(len(labels))
     assert seen == list(range(N))  # in order: shuffle=False
