@@ -6,6 +6,7 @@ the same container types, so that switching loaders changes no training code.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 from torch.utils.data import default_collate
 
 
-def collate(records: list[Any]) -> Any:
+def collate(records: Sequence[Any]) -> Any:
     """`torch.utils.data.default_collate`, with the same output, made cheaper for image batches.
 
     Dicts stay dicts; a batch of tuples or lists becomes a list of columns, as DataLoader gives
@@ -39,13 +40,13 @@ def collate(records: list[Any]) -> Any:
         # (not a tuple: torch keeps it a list for backwards compatibility). Same here, with
         # the fast path for each column; uneven lengths get default_collate's own error.
         if all(type(r) is type(first) and len(r) == len(first) for r in records):
-            return [collate(list(column)) for column in zip(*records)]
+            return [collate(column) for column in zip(*records)]  # columns are tuples, as there
         return default_collate(records)
     stacked = _stack_arrays(records)
     return default_collate(records) if stacked is None else stacked
 
 
-def _stack_arrays(values: list[Any]) -> torch.Tensor | None:
+def _stack_arrays(values: Sequence[Any]) -> torch.Tensor | None:
     """The values stacked into one tensor, or None when they are not all numpy arrays (or plain
     CPU tensors) of one shape and of one dtype that default_collate stacks the same way."""
     first = values[0]
