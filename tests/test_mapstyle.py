@@ -244,3 +244,15 @@ def test_not_map_style_is_a_clear_error():
 def test_loader_dataset_is_the_users_dataset():
     ds = Pairs()
     assert Loader(ds).dataset is ds
+
+
+def test_workers_forked_while_another_thread_reads_keyed_do_not_deadlock():
+    """Another thread of this process (a second loader, a torchdata Prefetcher) may hold the
+    global-RNG lock at the instant workers fork; the workers must not inherit it locked."""
+    from shardloader.loader import batches
+
+    with batches._GLOBAL_RNG_LOCK:  # as if another thread were inside a keyed read
+        loader = Loader(AugmentedPairs(), batch_size=16, num_workers=2, timeout=20)
+        got = take(loader, 5)  # a deadlocked worker is a WorkerError after the 20 s timeout
+    loader.close()
+    assert got == take(Loader(AugmentedPairs(), batch_size=16), 5)

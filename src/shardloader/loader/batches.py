@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -189,6 +190,17 @@ class BatchProducer:
 
 
 _GLOBAL_RNG_LOCK = threading.Lock()
+
+
+def _new_rng_lock_in_child() -> None:
+    """A forked worker gets a fresh lock: if another thread of the parent (a second loader, a
+    torchdata Prefetcher running a loader inline) held it at the fork, the child's copy would
+    stay locked forever and the worker would never produce a batch."""
+    global _GLOBAL_RNG_LOCK
+    _GLOBAL_RNG_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_rng_lock_in_child)
 
 
 class _NoScope:
