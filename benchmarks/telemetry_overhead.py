@@ -57,7 +57,7 @@ def one_epoch(path: str, mode: str, tracking_uri: str, tmp: str, workers: int,
     elif mode == "jsonl":
         sink = JsonlLogger(os.path.join(tmp, f"t-{time.monotonic_ns()}.jsonl"))
     loader = Loader(Dataset(path), batch, num_workers=workers, seed=1, telemetry=sink,
-                    worker_type="process")
+                    worker_type="process", shuffle=True, persistent_workers=True)
     iterator = iter(loader)
     next(iterator)  # workers started, first shard open: not what we measure
     if sink is not None:
