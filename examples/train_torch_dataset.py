@@ -1,8 +1,9 @@
 """Train a small CNN on a map-style torch Dataset of (image, label) tuples, then evaluate it.
 
-A typical DataLoader script: the dataset decodes and augments in __getitem__ with torch's
-global RNG, a DistributedSampler under torchrun, an evaluation loop that counts every
-validation sample once.
+A typical DataLoader script, ported to shardloader's Loader (see docs/migration.md; `git log -p`
+on this file shows the port): the dataset decodes and augments in __getitem__ with torch's
+global RNG (now keyed per sample), no DistributedSampler under torchrun, an evaluation loop
+that counts every validation sample once.
 
     python examples/train_torch_dataset.py --epochs 2
     torchrun --nproc_per_node 2 examples/train_torch_dataset.py --epochs 2
@@ -17,8 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import Dataset
+
+from shardloader import Loader
 
 
 class Shapes(Dataset):
@@ -59,10 +61,9 @@ def main() -> None:
     torch.manual_seed(0)
 
     train_set, val_set = Shapes(2000, train=True), Shapes(333, train=False, seed=1)
-    sampler = DistributedSampler(train_set) if distributed else None
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=sampler is None,
-                              sampler=sampler, num_workers=args.workers, drop_last=True)
-    val_loader = DataLoader(val_set, batch_size=args.batch_size, num_workers=args.workers)
+    train_loader = Loader(train_set, batch_size=args.batch_size, shuffle=True,
+                          num_workers=args.workers, drop_last=True)
+    val_loader = Loader(val_set, batch_size=args.batch_size, num_workers=args.workers, rank=0, world_size=1)
 
     model = nn.Sequential(nn.Conv2d(3, 16, 3, 2, 1), nn.ReLU(), nn.Conv2d(16, 32, 3, 2, 1),
                           nn.ReLU(), nn.Flatten(), nn.Linear(32 * 8 * 8, 10))
@@ -71,8 +72,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     for epoch in range(args.epochs):
-        if sampler is not None:
-            sampler.set_epoch(epoch)
+        train_loader.set_epoch(epoch)
         model.train()
         for images, labels in train_loader:
             loss = F.cross_entropy(model(images), labels)
