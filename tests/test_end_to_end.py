@@ -24,7 +24,8 @@ from shardloader.synthetic import make_image_samples
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_images.py")
 STEPS, EVERY = 24, 4
-ENV = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT]),
+       "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")

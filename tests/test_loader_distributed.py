@@ -32,7 +32,8 @@ def _torchrun(nproc: int, out: str, data: str, batches: int, state_in: str | Non
            "--batches", str(batches), "--out", out, "--workers", "1"]
     if state_in:
         cmd += ["--state-in", state_in]
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT]),
+           "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
