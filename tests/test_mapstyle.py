@@ -256,3 +256,14 @@ def test_workers_forked_while_another_thread_reads_keyed_do_not_deadlock():
         got = take(loader, 5)  # a deadlocked worker is a WorkerError after the 20 s timeout
     loader.close()
     assert got == take(Loader(AugmentedPairs(), batch_size=16), 5)
+
+
+class Deterministic(Pairs):
+    uses_global_rng = False  # draws nothing: the Loader may skip seeding the RNGs per sample
+
+
+def test_a_dataset_without_random_draws_is_read_without_seeding():
+    from shardloader.loader.mapstyle import MapStyleDataset
+
+    assert MapStyleDataset(Pairs()).keyed_reads and not MapStyleDataset(Deterministic()).keyed_reads
+    assert take(Loader(Deterministic(), batch_size=16, num_workers=2), 5) == take(Loader(Pairs(), batch_size=16), 5)
