@@ -13,6 +13,11 @@ Each item is one batch of the Loader. Epochs follow torchdata's convention (like
 `reset(state)` continues exactly where `state` was taken, and a state taken at an epoch's end
 continues with the next epoch. With a `Prefetcher` in front, the Loader's `fetch_seconds`
 measure the prefetch thread's wait, not the training thread's.
+
+Worker processes are forked when an epoch starts, in the thread that resets the pipeline. As
+with DataLoader, do not let that happen while another loader of the same process reads inline
+(num_workers=0) in a background thread: the fork can copy a lock that thread holds into the
+workers. Give such loaders worker processes too, or `multiprocessing_context="forkserver"`.
 """
 
 from __future__ import annotations
