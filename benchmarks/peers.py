@@ -142,7 +142,8 @@ def shardloader_peer(images: ImageSet) -> Peer:
     def make() -> Any:
         # tail="partial": the last batch is short, as in the peers (the default pads it)
         return Loader(Dataset(images.arrow_dir), batch_size=BATCH, num_workers=WORKERS,
-                      transform=_transform(), seed=SEED, tail="partial")
+                      transform=_transform(), seed=SEED, tail="partial", shuffle=True,
+                      persistent_workers=True)
 
     def restore(state: Any) -> Any:
         loader = make()

@@ -42,12 +42,12 @@ class IndexOnlyDataset:
 
 
 def resume_seconds(dataset: IndexOnlyDataset, batch: int = 256, repeats: int = 5) -> float:
-    reference = Loader(dataset, batch_size=batch, seed=1)
+    reference = Loader(dataset, batch_size=batch, seed=1, shuffle=True)
     steps = len(reference)
     state = {**reference.state_dict(), "epoch": 3, "position": (steps - 2) * batch}
     times = []
     for _ in range(repeats):
-        loader = Loader(dataset, batch_size=batch, seed=1)
+        loader = Loader(dataset, batch_size=batch, seed=1, shuffle=True)
         start = time.perf_counter()
         loader.load_state_dict(state)
         samples = loader.step_samples(3, steps - 2)
@@ -69,7 +69,7 @@ def memory_line() -> str:
     """Measured first, in a fresh process, so freed memory of other runs cannot hide growth."""
     before = rss_bytes()
     dataset = IndexOnlyDataset(10**8)
-    loader = Loader(dataset, batch_size=256, seed=1)
+    loader = Loader(dataset, batch_size=256, seed=1, shuffle=True)
     loader.step_samples(0, len(loader) - 1)
     after = rss_bytes()
     return (f"RSS added by a 10^8-sample index + loader + order: {(after - before) / 2**20:.1f} MiB "

@@ -196,7 +196,8 @@ def shardloader_config(images: ImageSet, worker_type: str, transform: str) -> Co
     def build() -> Any:
         t = pil_sample_transform if transform == "pil" else fused(transform == "fused")
         return Loader(Dataset(images.arrow_dir), batch_size=BATCH, num_workers=WORKERS,
-                      worker_type=worker_type, transform=t, seed=0)
+                      worker_type=worker_type, transform=t, seed=0, shuffle=True,
+                      persistent_workers=True)
 
     return Config(f"shardloader Loader ({worker_type}es)" if worker_type == "process"
                   else f"shardloader Loader ({worker_type}s)", transform, build,

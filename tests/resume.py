@@ -1,7 +1,7 @@
 """The generic exact-resume helper that every resumable part's tests call.
 
 `assert_exact_resume(make_loader, total_batches, cuts)` runs an uninterrupted reference and
-records every batch (its `__index__` and the bytes of every tensor, bit for bit); then, for each
+records every batch (its sample indices and the bytes of every tensor, bit for bit); then, for each
 resume plan, consumes up to a cut, takes `state_dict()`, sends it through JSON (state must be
 a small plain dict), builds a fresh loader, loads the state and continues. The concatenation
 of all segments must equal the reference exactly: same samples, same order, same bytes.
@@ -29,22 +29,40 @@ class RecordedBatch:
         return f"indices={list(self.indices)[:8]}{'...' if len(self.indices) > 8 else ''}"
 
 
-def record(batch: Any) -> RecordedBatch:
-    """Freeze a batch (a dict from the Loader) into comparable bytes."""
-    if not isinstance(batch, dict):
-        raise TypeError(f"expected a dict batch, got {type(batch).__name__}")
-    indices = tuple(int(i) for i in batch["__index__"].tolist())
-    fields = []
-    for name in sorted(batch):
-        value = batch[name]
-        if isinstance(value, torch.Tensor):
-            array = value.detach().cpu().contiguous()
-            fields.append((name, str(array.dtype), tuple(array.shape), array.numpy().tobytes()))
-        elif isinstance(value, np.ndarray):
-            fields.append((name, str(value.dtype), value.shape, value.tobytes()))
-        elif isinstance(value, (list, tuple)):
-            fields.append((name, "list", (len(value),), repr(list(value)).encode()))
+def record(batch: Any, indices: Any = None) -> RecordedBatch:
+    """Freeze a batch into comparable bytes: a dict from a shardloader.Dataset (its indices in
+    `__index__`), or any batch (a list of columns from tuple samples, a dict without
+    `__index__`) with its sample indices given (the Loader's `last_indices`)."""
+    if indices is None:
+        if not isinstance(batch, dict) or "__index__" not in batch:
+            raise TypeError(f"a {type(batch).__name__} batch without __index__ needs its indices")
+        indices = batch["__index__"]
+    indices = tuple(int(i) for i in np.asarray(indices).tolist())
+    fields: list[tuple[str, str, tuple[int, ...], bytes]] = []
+    _freeze("", batch, fields)
     return RecordedBatch(indices, tuple(fields))
+
+
+def _freeze(name: str, value: Any, fields: list[tuple[str, str, tuple[int, ...], bytes]]) -> None:
+    """Append (name, dtype, shape, bytes) for `value`, recursing into dicts and lists/tuples of
+    tensors (a batch's columns); a list of plain values is one field (its repr)."""
+    if isinstance(value, torch.Tensor):
+        array = value.detach().cpu().contiguous()
+        fields.append((name, str(array.dtype), tuple(array.shape), array.numpy().tobytes()))
+    elif isinstance(value, np.ndarray):
+        fields.append((name, str(value.dtype), value.shape, value.tobytes()))
+    elif isinstance(value, dict):
+        for key in sorted(value):
+            _freeze(f"{name}.{key}" if name else str(key), value[key], fields)
+    elif isinstance(value, (list, tuple)):
+        if any(isinstance(v, (torch.Tensor, np.ndarray, dict, list, tuple)) for v in value):
+            fields.append((name, type(value).__name__, (len(value),), b""))
+            for i, v in enumerate(value):
+                _freeze(f"{name}.{i}" if name else str(i), v, fields)
+        else:
+            fields.append((name, "list", (len(value),), repr(list(value)).encode()))
+    else:
+        fields.append((name, type(value).__name__, (), repr(value).encode()))
 
 
 def take(loader: Any, count: int) -> list[RecordedBatch]:
@@ -53,7 +71,8 @@ def take(loader: Any, count: int) -> list[RecordedBatch]:
     while len(out) < count:
         received = 0
         for batch in loader:
-            out.append(record(batch))
+            has_index = isinstance(batch, dict) and "__index__" in batch
+            out.append(record(batch, None if has_index else loader.last_indices))
             received += 1
             if len(out) == count:
                 break

@@ -29,7 +29,9 @@ def dataset_dir(tmp_path_factory):
 
 
 def make(dataset_dir, **kw):
-    args = dict(batch_size=8, seed=5, transform=noisy_crop, partitions=4, window=2)
+    # The defaults these tests were written for (before DataLoader's became the defaults).
+    args = dict(batch_size=8, seed=5, transform=noisy_crop, partitions=4, window=2,
+                shuffle=True, tail="pad", persistent_workers=True)
     args.update(kw)
     return Loader(Dataset(dataset_dir), **args)
 
@@ -248,7 +250,43 @@ def test_thread_workers_never_close_a_reader_in_use(dataset_dir):
     not close each other's readers (a closed memory map would crash or return wrong bytes)."""
     reference = take(make(dataset_dir), 30)
     loader = Loader(Dataset(dataset_dir, max_open_shards=1), batch_size=8, seed=5,
-                    transform=noisy_crop, partitions=4, window=2, num_workers=3, worker_type="thread")
+                    transform=noisy_crop, partitions=4, window=2, num_workers=3, worker_type="thread",
+                    shuffle=True, tail="pad")
     assert take(loader, 30) == reference
     assert len(loader.dataset._readers) <= 1
+    loader.close()
+
+
+def test_a_changed_builtin_transform_is_refused_naming_it(dataset_dir):
+    """No transform_version argument needed: the transform describes itself in the state."""
+    from shardloader.transforms import Compose, DecodeCropFlip, ToTensor
+
+    saved = Loader(Dataset(dataset_dir), batch_size=8, transform=DecodeCropFlip(64)).state_dict()
+    assert saved["fingerprint"]["transform_version"].startswith("DecodeCropFlip(size=(64, 64)")
+    Loader(Dataset(dataset_dir), batch_size=8, transform=DecodeCropFlip(64)).load_state_dict(saved)
+    with pytest.raises(StateError, match=r"transform_version: saved .DecodeCropFlip\(size=\(64, 64\).*"
+                                         r"now .DecodeCropFlip\(size=\(48, 48\)"):
+        Loader(Dataset(dataset_dir), batch_size=8, transform=DecodeCropFlip(48)).load_state_dict(saved)
+    composed = Loader(Dataset(dataset_dir), batch_size=8,
+                      transform=Compose([DecodeCropFlip(64), ToTensor()])).state_dict()
+    with pytest.raises(StateError, match=r"Compose\[DecodeCropFlip.*ToTensor.*now .Compose\[DecodeCropFlip"):
+        Loader(Dataset(dataset_dir), batch_size=8,
+               transform=Compose([DecodeCropFlip(64, p=0.0), ToTensor()])).load_state_dict(composed)
+
+
+def test_plain_functions_contribute_their_name_and_an_explicit_version_overrides(dataset_dir):
+    state = make(dataset_dir).state_dict()
+    assert state["fingerprint"]["transform_version"] == "tests.sample_transforms.noisy_crop"
+    with pytest.raises(StateError, match="transform_version: saved 'tests.sample_transforms.noisy_crop', now None"):
+        make(dataset_dir, transform=None).load_state_dict(state)
+    pinned = make(dataset_dir, transform_version="crop-v1").state_dict()
+    assert pinned["fingerprint"]["transform_version"] == "crop-v1"
+    make(dataset_dir, transform=lambda s: s, transform_version="crop-v1").load_state_dict(pinned)
+
+
+def test_last_indices_are_the_batches_index_field(dataset_dir):
+    loader = make(dataset_dir, num_workers=2)
+    assert loader.last_indices is None
+    for _, batch in zip(range(3), loader):
+        assert loader.last_indices.tolist() == batch["__index__"].tolist()
     loader.close()

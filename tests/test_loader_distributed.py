@@ -58,7 +58,7 @@ def _global_sequence(out: str, world: int) -> list[tuple[int, str]]:
 
 def _reference(data: str, batches: int) -> list[tuple[int, str]]:
     loader = Loader(Dataset(data), batch_size=GLOBAL_BATCH, seed=5, transform=noisy_crop,
-                    partitions=4, window=2, rank=0, world_size=1)
+                    partitions=4, window=2, rank=0, world_size=1, shuffle=True, tail="pad")
     sequence = []
     while len(sequence) < batches * GLOBAL_BATCH:
         for batch in loader:

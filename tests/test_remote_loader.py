@@ -25,7 +25,8 @@ def dataset_dir(tmp_path_factory):
 
 
 def loader(url, cache=None, *, limit="100MB", storage_options=None, max_open_shards=16, **kw):
-    args = dict(batch_size=8, seed=5, transform=noisy_crop, partitions=4, window=2)
+    args = dict(batch_size=8, seed=5, transform=noisy_crop, partitions=4, window=2,
+                shuffle=True, tail="pad", persistent_workers=True)
     args.update(kw)
     ds = Dataset(url, cache_dir=None if cache is None else str(cache), cache_limit=limit,
                  storage_options=storage_options, max_open_shards=max_open_shards)

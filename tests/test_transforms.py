@@ -31,6 +31,7 @@ from shardloader.transforms import (
     RandomResizedCrop,
     Resize,
     ToTensor,
+    Transform,
     TransformError,
     accepts_generator,
     decode_image,
@@ -466,6 +467,51 @@ def test_versions_name_every_member_and_parameter_and_change_with_them():
     assert transform_version(Lambda(_no_generator, version="v2")) != transform_version(Lambda(_no_generator, version="v3"))
     assert "opencv=" in transform_version(pipeline, libraries=True)
     assert transform_version(DecodeCropFlip(112)) != transform_version(DecodeCropFlip(112, antialias=False))
+
+
+def test_every_builtin_transform_describes_every_constructor_argument():
+    """A parameter missing from `params()` would let a resume with another value pass the
+    Loader's fingerprint check silently."""
+    import inspect
+
+    import shardloader.transforms as transforms
+
+    builtins = [getattr(transforms, name) for name in transforms.__all__]
+    builtins = [c for c in builtins if isinstance(c, type) and issubclass(c, Transform)
+                and c not in (Transform, Compose, Lambda)]
+    assert len(builtins) >= 8
+    for cls in builtins:
+        arguments = [n for n in inspect.signature(cls.__init__).parameters if n != "self"]
+        required = {"size": 16, "mean": (0.5, 0.5, 0.5), "std": (0.2, 0.2, 0.2)}
+        instance = cls(**{n: v for n, v in required.items() if n in arguments})
+        missing = set(arguments) - set(instance.params())
+        assert not missing, f"{cls.__name__}.params() lacks {sorted(missing)}"
+        assert instance.version.startswith(f"{cls.__name__}(") and "#impl" in instance.version
+
+
+class _ReprTransform:
+    """Like a torchvision transform: a callable object whose repr shows its parameters."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, sample):
+        return sample
+
+    def __repr__(self) -> str:
+        return f"_ReprTransform(size={self.size})"
+
+
+class _PlainCallable:
+    def __call__(self, sample):
+        return sample
+
+
+def test_other_callables_are_described_by_name_and_their_own_repr():
+    assert transform_version(_ReprTransform(64)) == f"{__name__}._ReprTransform = _ReprTransform(size=64)"
+    assert transform_version(_ReprTransform(64)) != transform_version(_ReprTransform(48))
+    assert transform_version(_PlainCallable()) == f"{__name__}._PlainCallable"  # no address
+    assert transform_version(functools.partial(_no_generator)) == f"partial({__name__}._no_generator, )"
 
 
 def test_pickled_pipeline_gives_identical_output(jpegs):

@@ -22,7 +22,7 @@ def dataset_dir(tmp_path_factory):
 
 def make(dataset_dir, **kw):
     args = dict(batch_size=8, seed=3, transform=noisy_crop, partitions=4, window=2,
-                num_workers=2, worker_type="process")
+                num_workers=2, worker_type="process", shuffle=True, tail="pad", persistent_workers=True)
     args.update(kw)
     return Loader(Dataset(dataset_dir), **args)
 

@@ -15,14 +15,16 @@ if TYPE_CHECKING:
     from shardloader.dataset import Dataset
     from shardloader.format.writer import write_shards
     from shardloader.loader import Loader
+    from shardloader.loader.node import LoaderNode
 
 _EXPORTS = {
     "Dataset": "shardloader.dataset",
     "Loader": "shardloader.loader",
+    "LoaderNode": "shardloader.loader.node",
     "write_shards": "shardloader.format.writer",
 }
 
-__all__ = ["Dataset", "Loader", "__version__", "write_shards"]
+__all__ = ["Dataset", "Loader", "LoaderNode", "__version__", "write_shards"]
 
 
 def __getattr__(name: str) -> Any:

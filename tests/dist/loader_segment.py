@@ -25,7 +25,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     loader = Loader(Dataset(args.data), batch_size=args.global_batch // world, seed=5,
-                    transform=noisy_crop, partitions=4, window=2, num_workers=args.workers)
+                    transform=noisy_crop, partitions=4, window=2, num_workers=args.workers,
+                    shuffle=True, tail="pad", persistent_workers=True)
     assert loader.rank == rank and loader.world_size == world  # taken from torch.distributed
     if args.state_in:
         with open(args.state_in) as f:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -17,8 +18,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import default_collate
 
+from shardloader.loader.collate import collate
 from shardloader.order.seeding import GlobalRngScope, sample_keys
 from shardloader.source import LocalSource
 
@@ -82,11 +83,13 @@ class BatchProducer:
         seed: int,
         transform: Transform | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        worker_init_fn: Callable[[int], Any] | None = None,
     ) -> None:
         self.dataset = dataset
         self.seed = int(seed)
         self.transform = transform
         self.collate_fn = collate_fn or collate
+        self.worker_init_fn = worker_init_fn
         self._pass_generator = accepts_generator(transform)
         self._seed_globals = uses_global_rng(transform)
 
@@ -96,6 +99,9 @@ class BatchProducer:
     report_cache_counters = False
     #: The Loader's StepPlan, for tasks that carry (epoch, step) instead of samples.
     plan: Any = None
+    #: Set by a worker process to its id: `worker_init_fn(worker_id)` then runs before the
+    #: process's first batch (inside the task, so a failure is reported with that batch).
+    worker_id: int | None = None
 
     def __call__(self, task: BatchTask) -> tuple[Any, BatchTimings]:
         timings = BatchTimings()
@@ -103,13 +109,20 @@ class BatchProducer:
         before = counters() if counters else None
         shard_wait = getattr(self.dataset, "shard_wait_seconds", None)
         wait_before = shard_wait() if shard_wait else 0.0
+        if self.worker_id is not None and self.worker_init_fn is not None:
+            worker_id, self.worker_id = self.worker_id, None  # once per process
+            self.worker_init_fn(worker_id)
         t0 = time.perf_counter()
         samples = task.samples
         if samples is None:
             if self.plan is None:
                 raise ValueError(f"batch task {task.task_id} has no samples and the producer no StepPlan")
             samples = self.plan.samples(task.epoch, task.step)
-        records = self.dataset.get_many(samples)
+        if getattr(self.dataset, "keyed_reads", False):  # a map-style dataset augments in [i]
+            records = self.dataset.read_keyed(samples, sample_keys(self.seed, task.epoch, samples),
+                                              _GLOBAL_RNG_LOCK)
+        else:
+            records = self.dataset.get_many(samples)
         t1 = time.perf_counter()
         # Waiting for shard files (a download, another process's download, verification) is
         # measured by this thread alone, so prefetch threads' downloads never inflate it.
@@ -179,78 +192,23 @@ class BatchProducer:
 _GLOBAL_RNG_LOCK = threading.Lock()
 
 
+def _new_rng_lock_in_child() -> None:
+    """A forked worker gets a fresh lock: if another thread of the parent (a second loader, a
+    torchdata Prefetcher running a loader inline) held it at the fork, the child's copy would
+    stay locked forever and the worker would never produce a batch."""
+    global _GLOBAL_RNG_LOCK
+    _GLOBAL_RNG_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_rng_lock_in_child)
+
+
 class _NoScope:
     def __enter__(self) -> _NoScope:
         return self
 
     def __exit__(self, *exc: object) -> None:
         return None
-
-
-def collate(records: list[Any]) -> Any:
-    """`torch.utils.data.default_collate`, with the same output, made cheaper for image batches.
-
-    Numeric numpy arrays (and CPU tensors numpy can view) of one shape and dtype are stacked
-    with numpy straight into the batch tensor; everything else (scalars, strings, sequences,
-    other dtypes, mismatched shapes) goes to `default_collate`. Why: torch.stack runs on torch's
-    intra-op thread pool, which on a busy machine (or in threads beside a training step) spends
-    milliseconds per batch waiting for its helper threads (measured 0.07 ms single-threaded vs
-    1-8 ms with 2 threads for 64 x 112x112x3 uint8 on a loaded 2-core machine); numpy's stack
-    is one memcpy per sample on the calling thread.
-    """
-    if not records:
-        return default_collate(records)
-    first = records[0]
-    if type(first) is dict:
-        if all(type(r) is dict and r.keys() == first.keys() for r in records):
-            return {k: collate([r[k] for r in records]) for k in first}
-        return default_collate(records)
-    stacked = _stack_arrays(records)
-    return default_collate(records) if stacked is None else stacked
-
-
-def _stack_arrays(values: list[Any]) -> torch.Tensor | None:
-    """The values stacked into one tensor, or None when they are not all numpy arrays (or plain
-    CPU tensors) of one shape and of one dtype that default_collate stacks the same way."""
-    first = values[0]
-    if type(first) is np.ndarray:
-        dtype = _NUMPY_TO_TORCH.get(first.dtype)
-        arrays = values
-    elif type(first) is torch.Tensor:
-        dtype = first.dtype if first.dtype in _TORCH_DTYPES else None
-        if dtype is None or not all(_plain_cpu_tensor(v, dtype) for v in values):
-            return None
-        arrays = [v.numpy() for v in values]
-    else:
-        return None
-    if dtype is None:
-        return None
-    shape = arrays[0].shape
-    if not all(type(a) is np.ndarray and a.dtype == arrays[0].dtype and a.shape == shape
-               for a in arrays):
-        return None
-    out = torch.empty((len(arrays), *shape), dtype=dtype)
-    if out.numel():
-        np.stack(arrays, out=out.numpy())
-    return out
-
-
-def _plain_cpu_tensor(value: Any, dtype: torch.dtype) -> bool:
-    return (type(value) is torch.Tensor and value.dtype == dtype and value.device.type == "cpu"
-            and value.layout == torch.strided and not value.requires_grad
-            and not value.is_conj() and not value.is_neg())
-
-
-# The dtypes default_collate stacks (torch.stack supports them); others go to default_collate.
-_NUMPY_TO_TORCH = {
-    np.dtype(n): t for n, t in [
-        ("bool", torch.bool), ("uint8", torch.uint8), ("int8", torch.int8),
-        ("int16", torch.int16), ("int32", torch.int32), ("int64", torch.int64),
-        ("float16", torch.float16), ("float32", torch.float32), ("float64", torch.float64),
-        ("complex64", torch.complex64), ("complex128", torch.complex128),
-    ]
-}
-_TORCH_DTYPES = frozenset(_NUMPY_TO_TORCH.values())
 
 
 def pin(batch: Any) -> Any:

@@ -23,13 +23,20 @@ from typing import Any
 
 import numpy as np
 
+from shardloader.distenv import rank_and_world
 from shardloader.errors import StateError
 from shardloader.loader.batches import BatchProducer, BatchTask, BatchTimings, Transform, pin
+from shardloader.loader.compat import check_dataloader_arguments, check_worker_init, resolve_tail
+from shardloader.loader.mapstyle import (
+    MAP_STYLE_PARTITIONS,
+    MAP_STYLE_WINDOW,
+    MapStyleDataset,
+    as_loader_dataset,
+)
 from shardloader.loader.plan import StepPlan
 from shardloader.loader.state import fingerprint_differences, make_state, validate_state
 from shardloader.loader.workers import make_pool
 from shardloader.order.partition import (
-    check_tail,
     check_world,
     dropped_samples,
     epoch_length,
@@ -42,36 +49,38 @@ from shardloader.order.shuffle import (
     EpochOrder,
     ShuffleSettings,
 )
-
-
-def _default_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is not None and world_size is not None:
-        return rank, world_size
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return (dist.get_rank() if rank is None else rank,
-                dist.get_world_size() if world_size is None else world_size)
-    return (rank or 0), (world_size or 1)
+from shardloader.transforms.base import transform_version as describe_transform
 
 
 class Loader:
     """Batches of `dataset` for this rank, in a deterministic, resumable order.
 
+    `dataset` is a `shardloader.Dataset` or any map-style dataset (`__len__` + `__getitem__`,
+    e.g. a torch `Dataset`; see `shardloader.loader.mapstyle`). Arguments and defaults are
+    DataLoader's (`batch_size=1`, `shuffle=False`, `drop_last=False`, `persistent_workers=False`,
+    `prefetch_factor=2`); DataLoader arguments that would break exact resume (`sampler`,
+    `batch_sampler`, `generator`) are refused with what to use instead.
+
     `batch_size` is per rank; the global batch size is `batch_size * world_size` and is part
     of the fingerprint. `tail` chooses what happens to the last incomplete global batch:
-    "pad" (default; fill from the epoch's start), "drop" (`drop_last=True`) or "partial".
+    "partial" (a short last batch: the default in one process, as DataLoader), "drop"
+    (`drop_last=True`) or "pad" (fill from the epoch's start: the default under world_size > 1,
+    so that every DDP rank takes the same number of steps; see `tail_report()`).
     `partitions` and `window` are the shuffle settings (see `shardloader.order.shuffle`): each
-    rank keeps about ceil(partitions / world_size) * window shards resident.
-    `worker_type` is "process" (default) or "thread".
+    rank keeps about ceil(partitions / world_size) * window shards resident; a map-style
+    dataset defaults to one partition and one window (a full shuffle of all samples).
+    `worker_type` is "process" (default) or "thread". `worker_init_fn(worker_id)` runs once
+    in each worker process before its first batch. The transform is part of the fingerprint
+    (its description, see `shardloader.transforms.transform_version`) unless
+    `transform_version` overrides it.
     """
 
     def __init__(
         self,
         dataset: Any,
-        batch_size: int,
+        batch_size: int | None = 1,
         *,
-        shuffle: bool = True,
+        shuffle: bool | None = False,
         seed: int = 0,
         num_workers: int = 0,
         transform: Transform | None = None,
@@ -79,44 +88,63 @@ class Loader:
         pin_memory: bool = False,
         drop_last: bool = False,
         tail: str | None = None,
-        prefetch_factor: int = 2,
-        persistent_workers: bool = True,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
-        partitions: int = DEFAULT_PARTITIONS,
-        window: int = DEFAULT_WINDOW,
+        partitions: int | None = None,
+        window: int | None = None,
         worker_type: str = "process",
         transform_version: str | None = None,
         telemetry: Any = None,
         multiprocessing_context: str | None = None,
         timeout: float | None = None,
+        worker_init_fn: Callable[[int], Any] | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        generator: Any = None,
+        pin_memory_device: str = "",
+        in_order: bool = True,
     ) -> None:
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        check_dataloader_arguments(batch_size=batch_size, sampler=sampler, batch_sampler=batch_sampler,
+                                   generator=generator, in_order=in_order,
+                                   pin_memory_device=pin_memory_device)
+        assert batch_size is not None
+        prefetch_factor = 2 if prefetch_factor is None else prefetch_factor
         if prefetch_factor < 1:
             raise ValueError(f"prefetch_factor must be >= 1, got {prefetch_factor}")
+        check_worker_init(worker_init_fn, num_workers, worker_type)
         self.dataset = dataset
+        self._data = as_loader_dataset(dataset)  # what batches are read from
+        map_style = isinstance(self._data, MapStyleDataset)
         self.batch_size = batch_size
-        self.rank, self.world_size = _default_rank_world(rank, world_size)
+        self.rank, self.world_size = rank_and_world(rank, world_size)
         self.global_batch_size = batch_size * self.world_size
         check_world(self.global_batch_size, self.world_size, self.rank)
         self.seed = int(seed)
+        if partitions is None:
+            partitions = MAP_STYLE_PARTITIONS if map_style else DEFAULT_PARTITIONS
+        if window is None:
+            window = MAP_STYLE_WINDOW if map_style else DEFAULT_WINDOW
         self.settings = ShuffleSettings(shuffle=bool(shuffle), partitions=partitions, window=window)
-        self.tail = check_tail(tail if tail is not None else ("drop" if drop_last else "pad"))
+        self.tail = resolve_tail(tail, drop_last, self.world_size)
         self.num_workers = num_workers
         self.worker_type = worker_type
         self.prefetch_factor = prefetch_factor
         self.persistent_workers = persistent_workers
         self.pin_memory = pin_memory
         self.transform = transform
-        self.transform_version = transform_version
+        self.transform_version = (transform_version if transform_version is not None
+                                  else None if transform is None else describe_transform(transform))
         self.telemetry = telemetry
-        self._plan = StepPlan(np.diff(dataset.index.sample_offsets), self.seed, self.settings, self.rank,
+        self._plan = StepPlan(np.diff(self._data.index.sample_offsets), self.seed, self.settings, self.rank,
                               self.world_size, self.global_batch_size, self.tail)
-        self._producer = BatchProducer(dataset, seed=self.seed, transform=transform, collate_fn=collate_fn)
+        self._producer = BatchProducer(self._data, seed=self.seed, transform=transform, collate_fn=collate_fn,
+                                       worker_init_fn=worker_init_fn)
         self._producer.plan = self._plan
         self._mp_context = multiprocessing_context
-        self._timeout = timeout
+        self._timeout = timeout or None  # DataLoader's timeout=0 means none
+        self._last_batch: tuple[int, int] | None = None  # (epoch, step) of the last batch delivered
         self._pool: Any = None
         self._epoch = 0
         self._position = 0  # global positions consumed in the current epoch
@@ -127,7 +155,7 @@ class Loader:
     # -- sizes --------------------------------------------------------------------------------
     @property
     def num_samples(self) -> int:
-        return len(self.dataset)
+        return len(self._data)
 
     def __len__(self) -> int:
         """Batches per epoch for this rank."""
@@ -155,6 +183,15 @@ class Loader:
         """Global sample indices of `rank`'s batch at `step` of `epoch` (no data is read)."""
         return self._plan.samples(epoch, step, rank)
 
+    @property
+    def last_indices(self) -> np.ndarray | None:
+        """Global sample indices (int64, in batch order) of the batch this loader delivered
+        last, whatever the batch's shape (dict, list, custom collate); None before the first.
+        Dict batches from a shardloader.Dataset also carry them as `batch["__index__"]`."""
+        if self._last_batch is None:
+            return None
+        return self._plan.samples(*self._last_batch)
+
     # -- epochs and state ---------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Move to `epoch`; a no-op (position kept) when it is the current epoch."""
@@ -166,7 +203,7 @@ class Loader:
 
     def fingerprint(self) -> dict[str, Any]:
         return {
-            "index": self.dataset.index.fingerprint,
+            "index": self._data.index.fingerprint,
             "seed": self.seed,
             **self.settings.to_dict(),
             "global_batch_size": self.global_batch_size,
@@ -230,7 +267,7 @@ class Loader:
         """Stop the workers. The loader can be iterated again (workers restart)."""
         self._generation += 1
         self._release_pool(force=True)
-        close = getattr(self.dataset, "close", None)
+        close = getattr(self._data, "close", None)
         if close is not None:
             close()  # drops this process's readers and their cache pins
 
@@ -269,7 +306,7 @@ class _EpochIterator:
         depth = max(1, loader.num_workers) * loader.prefetch_factor
         for _ in range(depth):
             self._submit_next()
-        counters = getattr(loader.dataset.source, "counters", None)
+        counters = getattr(loader._data.source, "counters", None)
         self._counters_at_start = counters() if counters is not None else {}
         self.prefetch_handle = self._start_prefetch()
         self.finished = False
@@ -294,7 +331,7 @@ class _EpochIterator:
             return
 
     def _start_prefetch(self) -> Any:
-        start = getattr(self.loader.dataset.source, "start_prefetch", None)
+        start = getattr(self.loader._data.source, "start_prefetch", None)
         if start is None:
             return None
         return start(self._shards_ahead())
@@ -309,7 +346,7 @@ class _EpochIterator:
             _, first = np.unique(shards, return_index=True)
             for shard in shards[np.sort(first)].tolist():
                 if shard not in recent:
-                    yield loader.dataset.index.shards[shard]
+                    yield loader._data.index.shards[shard]
                 recent.pop(shard, None)
                 recent[shard] = None  # most recent last
                 if len(recent) > 256:
@@ -338,6 +375,7 @@ class _EpochIterator:
             batch = pin(batch)
         fetch_seconds = time.perf_counter() - start
         loader._position = min((task.step + 1) * loader.global_batch_size, self.length)
+        loader._last_batch = (self.epoch, task.step)
         self._record(task, timings, fetch_seconds, queue_depth, batch)
         return batch
 
@@ -374,7 +412,7 @@ class _EpochIterator:
         """Cache counters of this (the training) process since the last delivered batch: the
         prefetcher's downloads, and with num_workers=0 or thread workers the reads too. Worker
         processes report their own counters with each batch."""
-        counters = getattr(self.loader.dataset.source, "counters", None)
+        counters = getattr(self.loader._data.source, "counters", None)
         if counters is None:
             return {}
         now = counters()

@@ -95,6 +95,7 @@ def _worker_main(worker_id: int, producer: BatchProducer, tasks: Any, results: A
     # Ctrl-C goes to the main process, which shuts workers down; workers must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     producer.report_cache_counters = True  # this process's cache counters are its batches'
+    producer.worker_id = worker_id  # runs worker_init_fn(worker_id) before the first batch
     # Workers parallelise; intra-op pools would oversubscribe the cores (torch's also spins
     # for milliseconds per op on a busy machine). DataLoader's workers do the same for torch.
     torch.set_num_threads(1)

@@ -189,7 +189,10 @@ def transform_version(transform: Any, *, libraries: bool = False) -> str:
     """A string that changes when `transform` would produce different output.
 
     Uses the `version` attribute when there is one (all shardloader transforms, `Compose`
-    recursively), else the qualified name of a function or class. With `libraries=True` the
+    recursively: their class, constructor parameters and implementation number), else the
+    qualified name of a function, or for another callable object (a torchvision transform) its
+    class and its own repr when that repr shows its parameters. The Loader puts this string in
+    its fingerprint, so a resume with another augmentation is refused. With `libraries=True` the
     versions of the image libraries are appended (their resize/decode bits can change between
     releases; off by default so that a routine upgrade does not block a resume).
     """
@@ -204,7 +207,7 @@ def transform_version(transform: Any, *, libraries: bool = False) -> str:
         elif version is not None and not callable(version):
             text = f"{_callable_name(transform)}@{version}"
         else:
-            text = _callable_name(transform)
+            text = _callable_name(transform) + _own_repr(transform)
     if libraries:
         text += " | " + library_versions()
     return text
@@ -231,6 +234,20 @@ def _callable_name(obj: Any) -> str:
         return f"partial({_callable_name(obj.func)}, {args})"
     cls = type(obj)
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _own_repr(obj: Any) -> str:
+    """` = <repr>` for an object (not a function) whose class defines a repr without memory
+    addresses, e.g. torchvision's `RandomResizedCrop(size=(224, 224), ...)`; else ''."""
+    if inspect.isroutine(obj) or isinstance(obj, (functools.partial, type)):
+        return ""
+    if type(obj).__repr__ is object.__repr__:
+        return ""
+    try:
+        text = repr(obj)
+    except Exception:  # noqa: BLE001 - a broken repr only loses detail
+        return ""
+    return "" if " at 0x" in text else f" = {text}"
 
 
 def _stable_repr(value: Any) -> str:

@@ -85,4 +85,4 @@ class Normalize(Transform):
         return with_field(sample, self.field, out)
 
     def params(self) -> dict[str, Any]:
-        return {"mean": self.mean, "std": self.std, "field": self.field}
+        return {"mean": self.mean, "std": self.std, "field": self.field, "inplace": self.inplace}
