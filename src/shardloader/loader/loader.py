@@ -296,7 +296,7 @@ class _EpochIterator:
         self.steps = len(loader)
         self.next_step = loader._position // loader.global_batch_size
         self.length = epoch_length(loader.num_samples, loader.global_batch_size, loader.tail)
-        check = getattr(loader.dataset, "check_capacity", None)
+        check = getattr(loader._data, "check_capacity", None)
         if check is not None:  # a cache too small for this configuration fails here, not mid-epoch
             check(num_workers=loader.num_workers)
         self.pool = loader._get_pool()
