@@ -17,9 +17,48 @@ database itself is safe for many processes (sqlite).
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+# sqlite must not be inside a call in any thread when the process forks: a child that inherits
+# one of sqlite's internal mutexes locked hangs in its first sqlite call (seen: a loader worker
+# forked while the parent's prefetch thread polled the ledger never produced a batch). Every
+# database call holds this lock, and a fork waits for it (os.register_at_fork below).
+_SQLITE_GUARD = threading.RLock()
+
+
+def _fresh_guard_in_child() -> None:
+    global _SQLITE_GUARD
+    _SQLITE_GUARD = threading.RLock()
+
+
+os.register_at_fork(before=lambda: _SQLITE_GUARD.acquire(),
+                    after_in_parent=lambda: _SQLITE_GUARD.release(),
+                    after_in_child=_fresh_guard_in_child)
+
+
+class _GuardedCache:
+    """A diskcache.Cache whose every call holds the fork guard."""
+
+    def __init__(self, directory: str) -> None:
+        import diskcache
+
+        with _SQLITE_GUARD:
+            self._cache = diskcache.Cache(directory, eviction_policy="none", size_limit=2**62,
+                                          statistics=False, tag_index=False)
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._cache, name)
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            with _SQLITE_GUARD:
+                result = method(*args, **kwargs)
+                return list(result) if name == "iterkeys" else result
+
+        return guarded
 
 _ENTRY, _ATIME, _OPENED, _RESERVED, _EVICTED, _STAT = "entry", "atime", "opened", "resv", "evicted", "stat"
 NODE_COUNTERS = ("downloads", "redownloads", "evictions", "bytes_downloaded")
@@ -54,11 +93,7 @@ class Ledger:
     """Typed access to the cache's diskcache database in `directory`."""
 
     def __init__(self, directory: str) -> None:
-        import diskcache
-
-        self._db = diskcache.Cache(
-            directory, eviction_policy="none", size_limit=2**62, statistics=False, tag_index=False,
-        )
+        self._db = _GuardedCache(directory)
 
     def _scan(self, kind: str) -> Iterator[tuple[str, Any]]:
         prefix = kind + "/"
