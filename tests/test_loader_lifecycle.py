@@ -16,13 +16,14 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Sequence
 
 import pytest
 
 from shardloader import Dataset, Loader
 from shardloader.errors import StateError, WorkerError
 from shardloader.format.writer import write_shards
-from tests.proctree import descendants, wait_gone
+from tests.proctree import Proc, alive, descendants, wait_gone
 from tests.resume import assert_exact_epoch_loop_resume, epoch_loop, take
 from tests.sample_transforms import make_samples as _samples
 from tests.sample_transforms import noisy_crop
@@ -41,7 +42,7 @@ def dataset_dir(tmp_path_factory):
 
 
 def make(dataset_dir, **kw):
-    args = dict(batch_size=8, seed=3, transform=noisy_crop, partitions=2, window=2)
+    args = dict(batch_size=8, seed=3, shuffle=True, tail="pad", transform=noisy_crop, partitions=2, window=2)
     args.update(kw)
     return Loader(Dataset(dataset_dir), **args)
 
@@ -139,12 +140,14 @@ def test_force_moves_anyway(dataset_dir):
 def test_fresh_run_may_leave_an_epoch_early(dataset_dir):
     """As with DataLoader: break out of an epoch and set the next one (not a restored loader)."""
     loader = make(dataset_dir)
+    seen = []
     for epoch in range(2):
         loader.set_epoch(epoch)
         for i, batch in enumerate(loader):
+            seen.append(batch["__index__"].tolist())
             if i == 2:
                 break
-    assert batch["__index__"].tolist() == loader.step_samples(1, 2).tolist()
+    assert seen == [loader.step_samples(e, s).tolist() for e in range(2) for s in range(3)]
 
 
 # -- close -------------------------------------------------------------------------------------
@@ -307,6 +310,7 @@ def test_sigkilled_trainer_leaves_no_process(dataset_dir, tmp_path, mlflow_local
     proc = subprocess.Popen([sys.executable, str(script), dataset_dir, str(tmp_path / "ckpt"),
                              mlflow_local_store if telemetry else "-"],
                             stdout=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
+    tree: list[Proc] = []
     try:
         _read_until(proc, "SAVING", 1, 120)
         tree = descendants(proc.pid)
@@ -317,16 +321,18 @@ def test_sigkilled_trainer_leaves_no_process(dataset_dir, tmp_path, mlflow_local
         assert not left, f"alive {ORPHAN_DEADLINE} s after the trainer's SIGKILL: " + "; ".join(
             p.describe() for p in left)
     finally:
-        _kill_group(proc)
+        _kill_group(proc, tree)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    """Clean up after a failed test: everything still in the trainer's session."""
-    for p in descendants(proc.pid):
-        try:
-            os.kill(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+def _kill_group(proc: subprocess.Popen, tree: Sequence[Proc] = ()) -> None:
+    """Clean up after a failed test: the snapshotted tree's survivors (torchrun's ranks run in
+    sessions of their own), what is below the trainer now, and the trainer's session."""
+    for p in [*tree, *descendants(proc.pid)]:
+        if alive(p):
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -350,10 +356,11 @@ def test_sigkilled_ranks_under_torchrun_leave_no_process(dataset_dir, tmp_path, 
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}", str(script),
            dataset_dir, str(tmp_path / "ckpt"), mlflow_local_store]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
+    tree: list[Proc] = []
     try:
         lines = _read_until(proc, "SAVING", 2, 180)
         ranks = [int(line.split()[2]) for line in lines]
-        tree = [p for p in descendants(proc.pid)]
+        tree = descendants(proc.pid)
         below_ranks = [p for p in tree if p.pid not in ranks]
         assert len(below_ranks) >= 4, [p.describe() for p in tree]  # 2 workers per rank
         for pid in ranks:
@@ -363,7 +370,7 @@ def test_sigkilled_ranks_under_torchrun_leave_no_process(dataset_dir, tmp_path, 
             p.describe() for p in left)
         proc.wait(timeout=60)  # torchrun notices its workers died and ends
     finally:
-        _kill_group(proc)
+        _kill_group(proc, tree)
 
 
 def test_descendants_sees_a_process_tree():
