@@ -73,3 +73,23 @@ def wait_gone(procs: list[Proc], timeout: float) -> list[Proc]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
+
+
+def with_env(name: str, value: str) -> list[Proc]:
+    """Live processes whose environment holds `name=value`. Children inherit the environment,
+    so a marker set for a script finds every process it started, orphans included."""
+    needle = f"{name}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+        except OSError:
+            continue
+        stat = _stat(int(entry))
+        if stat is not None and stat[0] != "Z":
+            found.append(Proc(int(entry), stat[2], _cmdline(int(entry))))
+    return found
