@@ -285,7 +285,7 @@ class Loader:
         self._active = weakref.ref(iterator)
         return iterator
 
-    def _finish_active(self, timeout: float | None = None) -> None:
+    def _finish_active(self, timeout: float = CLOSE_SECONDS) -> None:
         """Stop the prefetch of the iterator handed out last, if it did not finish."""
         iterator = self._active() if self._active is not None else None
         self._active = None
@@ -511,7 +511,7 @@ class _EpochIterator:
         self.finished = True
         if self.prefetch_handle is not None:
             if timeout is None:
-                self.prefetch_handle.stop()
+                self.prefetch_handle.stop()  # the epoch's end: downloads are done or useless
             else:
                 self.prefetch_handle.stop(timeout)
         if not release:
@@ -524,6 +524,6 @@ class _EpochIterator:
     def __del__(self) -> None:
         try:
             if not self.finished and self.prefetch_handle is not None:
-                self.prefetch_handle.stop()
+                self.prefetch_handle.stop(0.0)  # cancel; never wait in __del__
         except Exception:  # noqa: BLE001
             pass
