@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing.util  # noqa: F401 - registers its exit handler before ours (see below)
+import numbers
 import time
 import warnings
 import weakref
@@ -205,8 +206,9 @@ class Loader:
         A no-op (position kept) when `epoch` is the cursor's epoch. Raises StateError when the
         move would replay data (an earlier epoch) or, on a loader just restored from a state,
         skip data; `force=True` moves to the start of `epoch` regardless."""
-        if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        if not isinstance(epoch, numbers.Integral) or isinstance(epoch, bool) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        epoch = int(epoch)
         if epoch == self._epoch:
             self._hold = self._epoch_finished()  # this epoch is over: iterating it yields nothing
             return
