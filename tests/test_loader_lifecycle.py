@@ -248,7 +248,7 @@ def test_module_level_loader_and_break_exits_within_seconds(dataset_dir, tmp_pat
                         f"{[p.describe() for p in descendants(proc.pid)]}")
         exit_seconds = time.monotonic() - loop_done
         assert proc.returncode == 0, proc.stderr.read()[-3000:]
-        assert exit_seconds < 10.0, f"exit took {exit_seconds:.1f} s"
+        assert exit_seconds < 15.0, f"exit took {exit_seconds:.1f} s"  # a hang is forever
         left = wait_gone(tree, ORPHAN_DEADLINE)
         assert not left, [p.describe() for p in left]
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -56,15 +57,25 @@ def readme_blocks() -> list[str]:
 
 def run(folder, *, record: str, env: dict[str, str] | None = None, recorder: bool = True,
         timeout: float = 300) -> tuple[subprocess.CompletedProcess, str]:
+    """Run the README's blocks as one script in `folder`. Output goes to files, not pipes: a
+    process the script leaves behind would hold a pipe open and hang the wait for its end."""
     setup, loop = readme_blocks()
     script = folder / "quickstart.py"
     script.write_text(setup + (RECORDER if recorder else "") + loop)
     marker = uuid.uuid4().hex
     full_env = {**os.environ, **(env or {}), MARK: marker, "QS_RECORD": str(folder / record),
                 "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT]), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script)], cwd=folder, env=full_env, capture_output=True,
-                          text=True, timeout=timeout)
-    return proc, marker
+    log = folder / f"{record}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(script)], cwd=folder, env=full_env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"the quick start did not end within {timeout} s: {log.read_text()[-3000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "", log.read_text()), marker
 
 
 def records(path) -> list[dict]:
@@ -76,6 +87,11 @@ def assert_nothing_left(marker: str, what: str) -> None:
     deadline = time.monotonic() + 10.0
     while (left := with_env(MARK, marker)) and time.monotonic() < deadline:
         time.sleep(0.05)
+    for p in left:  # leave no orphan behind a failing test
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     assert not left, f"{what}: processes left 10 s later: " + "; ".join(p.describe() for p in left)
 
 
