@@ -231,14 +231,16 @@ def test_module_level_loader_and_break_exits_within_seconds(dataset_dir, tmp_pat
                                                            worker_type, telemetry):
     script = tmp_path / "script.py"
     script.write_text(EXIT_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), dataset_dir, worker_type,
-                             mlflow_local_store if telemetry else "-"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
-                            start_new_session=True)
+    errors = tmp_path / "stderr.txt"  # a file: a leftover process holding a pipe would hang reads
+    with open(errors, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(script), dataset_dir, worker_type,
+                                 mlflow_local_store if telemetry else "-"],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, env=_env(),
+                                start_new_session=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
-        assert line.strip() == "LOOP DONE", line + proc.stderr.read()
+        assert line.strip() == "LOOP DONE", line + errors.read_text()
         tree = descendants(proc.pid)
         loop_done = time.monotonic()
         try:
@@ -247,7 +249,7 @@ def test_module_level_loader_and_break_exits_within_seconds(dataset_dir, tmp_pat
             pytest.fail(f"the script hung at exit for 30 s; its processes: "
                         f"{[p.describe() for p in descendants(proc.pid)]}")
         exit_seconds = time.monotonic() - loop_done
-        assert proc.returncode == 0, proc.stderr.read()[-3000:]
+        assert proc.returncode == 0, errors.read_text()[-3000:]
         assert exit_seconds < 15.0, f"exit took {exit_seconds:.1f} s"  # a hang is forever
         left = wait_gone(tree, ORPHAN_DEADLINE)
         assert not left, [p.describe() for p in left]
