@@ -171,11 +171,8 @@ def test_close_is_bounded_and_idempotent_with_a_stuck_worker(dataset_dir, worker
     try:
         iterator = iter(loader)
         pids = list(loader._pool.pids()) if worker_type == "process" else []
-        if worker_type == "process":
-            with pytest.raises(WorkerError, match="timeout"):
-                next(iterator)
-        else:
-            assert _ENTERED.wait(30)  # a thread is inside the transform
+        with pytest.raises(WorkerError, match="timeout"):
+            next(iterator)
         started = time.monotonic()
         loader.close(timeout=1.0)
         loader.close(timeout=1.0)
@@ -253,6 +250,51 @@ def test_module_level_loader_and_break_exits_within_seconds(dataset_dir, tmp_pat
         assert exit_seconds < 15.0, f"exit took {exit_seconds:.1f} s"  # a hang is forever
         left = wait_gone(tree, ORPHAN_DEADLINE)
         assert not left, [p.describe() for p in left]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+STUCK_SCRIPT = """
+import sys, threading
+from shardloader import Dataset, Loader
+from shardloader.errors import WorkerError
+
+def hang(sample):  # a batch stuck for good: a read from a server that never answers, say
+    threading.Event().wait()
+
+loader = Loader(Dataset(sys.argv[1]), batch_size=8, num_workers=2, worker_type=sys.argv[2],
+                transform=hang, timeout=1.0)
+try:
+    next(iter(loader))
+except WorkerError:
+    print("GAVE UP", flush=True)
+"""
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_exit_without_close_while_a_worker_is_stuck(dataset_dir, tmp_path, worker_type):
+    """Interpreter exit is bounded even when a worker never finishes its batch (I11)."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_SCRIPT)
+    errors = tmp_path / "stderr.txt"
+    with open(errors, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, str(script), dataset_dir, worker_type],
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, env=_env(),
+                                start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.strip() == "GAVE UP", line + errors.read_text()
+        tree = descendants(proc.pid)
+        gave_up = time.monotonic()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the script hung at exit for 30 s with a stuck worker")
+        assert time.monotonic() - gave_up < 15.0
+        assert not wait_gone(tree, ORPHAN_DEADLINE)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

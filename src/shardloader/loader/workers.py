@@ -67,21 +67,47 @@ class InlinePool:
 
 
 class ThreadPool:
-    """Worker threads sharing the process (and its open shard readers)."""
+    """Worker threads sharing the process (and its open shard readers).
 
-    def __init__(self, producer: BatchProducer, num_workers: int) -> None:
+    Daemon threads, not a `concurrent.futures.ThreadPoolExecutor`: the executor's threads are
+    joined without a limit at interpreter exit, so one batch stuck in a read (a silent server)
+    would hang the script's exit forever. A daemon thread still busy then is abandoned."""
+
+    def __init__(self, producer: BatchProducer, num_workers: int, *, timeout: float | None = None) -> None:
         self.producer = producer
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            num_workers, thread_name_prefix="shardloader")
+        self.timeout = timeout
+        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Result], BatchTask] | None] = \
+            queue.SimpleQueue()
         self._futures: dict[int, concurrent.futures.Future[Result]] = {}
+        self._threads = [threading.Thread(target=self._work, name=f"shardloader-worker-{i}", daemon=True)
+                         for i in range(num_workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, task = item
+            if not future.set_running_or_notify_cancel():  # discarded before it started
+                continue
+            try:
+                future.set_result(self.producer(task))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the batch
+                future.set_exception(e)
 
     def submit(self, task: BatchTask) -> None:
-        self._futures[task.task_id] = self._executor.submit(self.producer, task)
+        future: concurrent.futures.Future[Result] = concurrent.futures.Future()
+        self._futures[task.task_id] = future
+        self._queue.put((future, task))
 
     def get(self, task_id: int) -> Result:
         future = self._futures.pop(task_id)
         try:
-            return future.result()
+            return future.result(self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise WorkerError(f"batch task {task_id} took longer than the {self.timeout} s timeout") from None
         except Exception as e:
             raise WorkerError(f"worker thread failed on batch task {task_id}: {e}") from e
 
@@ -97,13 +123,15 @@ class ThreadPool:
         """Cancel queued tasks and wait up to `timeout` for the batches in progress.
 
         A thread cannot be stopped from outside: one still busy after `timeout` (a read stuck
-        on a slow network, say) is left to finish on its own; its result is discarded."""
+        on a slow network, say) is left to finish on its own (it is a daemon: it never holds
+        up the interpreter's exit); its result is discarded."""
         self.discard_pending()
-        threads = list(getattr(self._executor, "_threads", ()))
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        for _ in self._threads:
+            self._queue.put(None)
         deadline = time.monotonic() + timeout
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _worker_main(worker_id: int, producer: BatchProducer, tasks: Any, results: Any,
@@ -382,7 +410,7 @@ def make_pool(producer: BatchProducer, num_workers: int, worker_type: str, *,
     if num_workers == 0:
         return InlinePool(producer)
     if worker_type == "thread":
-        return ThreadPool(producer, num_workers)
+        return ThreadPool(producer, num_workers, timeout=timeout)
     if worker_type == "process":
         return ProcessPool(producer, num_workers, context=context, timeout=timeout)
     raise ValueError(f"worker_type must be 'process' or 'thread', got {worker_type!r}")
