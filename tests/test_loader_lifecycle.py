@@ -9,6 +9,7 @@ poll, with a deadline, until every process of it is gone.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -217,6 +218,17 @@ print("LOOP DONE", flush=True)
 """
 
 
+def _readline(proc: subprocess.Popen, timeout: float) -> str:
+    """The next line of proc's stdout, or "" when none comes within `timeout` (never hangs)."""
+    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
+    assert proc.stdout is not None
+    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
+    try:
+        return lines.get(timeout=timeout)
+    except queue.Empty:
+        return ""
+
+
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT]),
             "OMP_NUM_THREADS": "1"}
@@ -235,8 +247,7 @@ def test_module_level_loader_and_break_exits_within_seconds(dataset_dir, tmp_pat
                                 stdout=subprocess.PIPE, stderr=stderr, text=True, env=_env(),
                                 start_new_session=True)
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
+        line = _readline(proc, 120)
         assert line.strip() == "LOOP DONE", line + errors.read_text()
         tree = descendants(proc.pid)
         loop_done = time.monotonic()
@@ -284,8 +295,7 @@ def test_exit_without_close_while_a_worker_is_stuck(dataset_dir, tmp_path, worke
                                 stdout=subprocess.PIPE, stderr=stderr, text=True, env=_env(),
                                 start_new_session=True)
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
+        line = _readline(proc, 120)
         assert line.strip() == "GAVE UP", line + errors.read_text()
         tree = descendants(proc.pid)
         gave_up = time.monotonic()
@@ -331,15 +341,12 @@ for step, batch in enumerate(loader, 1):
 
 def _read_until(proc: subprocess.Popen, prefix: str, count: int, timeout: float) -> list[str]:
     """Lines starting with `prefix` from proc's stdout, `count` of them, within `timeout`."""
-    assert proc.stdout is not None
     found: list[str] = []
     deadline = time.monotonic() + timeout
     while len(found) < count:
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {count} {prefix!r} lines within {timeout} s: {found}")
-        line = proc.stdout.readline()
+        line = _readline(proc, max(0.0, deadline - time.monotonic()))
         if not line:
-            raise AssertionError(f"the trainer ended before {prefix!r}: rc={proc.poll()}")
+            raise AssertionError(f"no {count} {prefix!r} lines within {timeout} s (rc={proc.poll()}): {found}")
         if line.startswith(prefix):
             found.append(line.strip())
     return found
