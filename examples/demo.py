@@ -8,6 +8,8 @@
 4. Prints throughput, the stall fraction (how long training waited for data), the checkpoint's
    blocking time against `torch.save`, and the verdict: are the final weights of the killed and
    resumed run bit for bit those of the uninterrupted run?
+5. Checks that no process it started (directly or not: loader workers, the MLflow writer, the
+   SIGKILLed run's children) is still alive, and says so; any survivor fails the demo.
 
 Everything lands in ./demo-output (the MLflow store, the stall report and plot, checkpoints).
 """
@@ -23,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import torch
 
@@ -30,6 +33,59 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
 SHARDLOADER = [PYTHON, "-m", "shardloader.cli.main"]
 EXPERIMENT = "shardloader-demo"
+# Every process the demo starts inherits this marker in its environment, orphans included, so
+# the demo can find them all at the end (Linux: /proc).
+DEMO_MARK = "SHARDLOADER_DEMO_RUN"
+
+
+def marked_processes(marker: str) -> list[tuple[int, str]]:
+    """(pid, command line) of live processes other than this one whose environment carries
+    DEMO_MARK=marker. Zombies (exited, waiting to be reaped) do not count."""
+    needle = f"{DEMO_MARK}={marker}".encode()
+    found = []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found.append((int(entry), f.read().replace(b"\0", b" ").decode(errors="replace").strip()))
+        except OSError:
+            continue
+    return found
+
+
+def children_of(pid: int) -> list[int]:
+    """Pids of every process below `pid` (via /proc parent pids)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(parents.get(pid, ()))
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(parents.get(child, ()))
+    return out
+
+
+def leftover_processes(marker: str, timeout: float = 10.0) -> list[tuple[int, str]]:
+    """The demo's processes still alive after up to `timeout` seconds (polled)."""
+    deadline = time.monotonic() + timeout
+    while (left := marked_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
 
 
 def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -47,8 +103,10 @@ def train_cmd(args: argparse.Namespace, out: str, name: str, extra: list[str]) -
             "--summary", os.path.join(out, f"summary-{name}.json"), *extra]
 
 
-def killed_and_resumed(args: argparse.Namespace, out: str) -> tuple[int, dict]:
-    """Start a run, SIGKILL it at a random step past the first checkpoint, resume it."""
+def killed_and_resumed(args: argparse.Namespace, out: str) -> tuple[int, dict, int]:
+    """Start a run, SIGKILL it at a random step past the first checkpoint, resume it. Returns
+    the kill step, the resumed run's summary and how many processes the killed run had below it
+    (its loader workers, the MLflow writer): the kill leaves them to end on their own."""
     rng = random.Random(args.seed)
     kill_at = rng.randint(args.checkpoint_every + 1, args.steps - 2)
     mlflow = ["--mlflow", args.mlflow, "--experiment", EXPERIMENT]
@@ -57,17 +115,20 @@ def killed_and_resumed(args: argparse.Namespace, out: str) -> tuple[int, dict]:
           f"# SIGKILL at step {kill_at}", flush=True)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
+    below = 0
     for line in proc.stdout:
         if line.strip() == f"STEP {kill_at}":
+            below = len(children_of(proc.pid))
             proc.send_signal(signal.SIGKILL)
             break
     proc.wait()
     if proc.returncode != -signal.SIGKILL:
         raise SystemExit(f"the training run ended with code {proc.returncode} before step {kill_at}")
-    print(f"  killed with SIGKILL at step {kill_at}", flush=True)
+    print(f"  killed with SIGKILL at step {kill_at} ({below} processes below it left to end on their own)",
+          flush=True)
     run(train_cmd(args, out, "resumed", ["--resume", *mlflow]))
     with open(os.path.join(out, "summary-resumed.json")) as f:
-        return kill_at, json.load(f)
+        return kill_at, json.load(f), below
 
 
 def same_state(a: dict, b: dict) -> tuple[bool, int]:
@@ -153,6 +214,7 @@ def main() -> None:
             os.remove(path)
     os.makedirs(out, exist_ok=True)
     args.mlflow = prepare_mlflow(out)
+    marker = os.environ[DEMO_MARK] = uuid.uuid4().hex  # inherited by everything started below
     started = time.perf_counter()
 
     print("\n== 1. data: a generated image folder, converted to shards", flush=True)
@@ -168,7 +230,7 @@ def main() -> None:
     run(train_cmd(args, out, "reference", []))
 
     print("\n== 3. the same run, killed without warning and resumed", flush=True)
-    kill_at, summary = killed_and_resumed(args, out)
+    kill_at, summary, killed_children = killed_and_resumed(args, out)
 
     print("\n== 4. the stall report", flush=True)
     report_png = os.path.join(out, "stall-report.png")
@@ -202,8 +264,17 @@ def main() -> None:
     print(f"MLflow store          {args.mlflow}  (mlflow ui --backend-store-uri {args.mlflow})")
     if os.path.exists(report_png):
         print(f"stall plot            {report_png}")
+    left = leftover_processes(marker) if os.path.isdir("/proc") else None
+    if left is None:
+        print("processes left        not checked (needs Linux /proc)")
+    elif not left:
+        print(f"processes left        none: every process the demo started has ended, including the "
+              f"{killed_children} the SIGKILLed run left behind")
+    else:
+        print(f"processes left        {len(left)} STILL ALIVE: "
+              + "; ".join(f"pid {pid} {cmd[:100]}" for pid, cmd in left))
     print(f"demo took             {time.perf_counter() - started:.0f} s")
-    sys.exit(0 if equal else 1)
+    sys.exit(0 if equal and not left else 1)
 
 
 if __name__ == "__main__":

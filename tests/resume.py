@@ -142,3 +142,50 @@ def _close(loader: Any) -> None:
     close = getattr(loader, "close", None)
     if close is not None:
         close()
+
+
+def epoch_loop(loader: Any, start: int, epochs: int, *,
+               stop_after: int | None = None) -> tuple[list[RecordedBatch], int]:
+    """Run the loop users write — `for epoch in range(start, epochs): loader.set_epoch(epoch);
+    for batch in loader:` — recording every batch. `stop_after`: break out of both loops after
+    that many batches (before the epoch's next batch is asked for). Returns (batches, the loop's
+    epoch when it stopped): the epoch a user would save with the loader's state."""
+    out: list[RecordedBatch] = []
+    epoch = start
+    for epoch in range(start, epochs):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            out.append(record(batch))
+            if stop_after is not None and len(out) == stop_after:
+                return out, epoch
+    return out, epoch
+
+
+def assert_exact_epoch_loop_resume(
+    make_loader: Callable[[], Any],
+    epochs: int,
+    stop_after: int,
+    start: Callable[[int, Any], int],
+    *,
+    reference: Sequence[RecordedBatch] | None = None,
+) -> list[RecordedBatch]:
+    """The epoch loop stopped after `stop_after` batches, its state saved (through JSON) with
+    the loop's epoch, and resumed by a fresh loader with the loop starting at
+    `start(saved_epoch, resumed_loader)`, gives exactly the uninterrupted loop's batches.
+    Whatever the loader raises (e.g. StateError for a loop that would replay) propagates."""
+    if reference is None:
+        loader = make_loader()
+        reference, _ = epoch_loop(loader, 0, epochs)
+        _close(loader)
+    loader = make_loader()
+    first, saved_epoch = epoch_loop(loader, 0, epochs, stop_after=stop_after)
+    state = plain_state(loader.state_dict())
+    _close(loader)
+    resumed = make_loader()
+    try:
+        resumed.load_state_dict(state)
+        rest, _ = epoch_loop(resumed, start(saved_epoch, resumed), epochs)
+    finally:
+        _close(resumed)
+    assert_same_batches(first + rest, reference, f"epoch loop stopped after {stop_after} batches")
+    return list(reference)

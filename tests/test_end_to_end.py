@@ -20,6 +20,7 @@ import torch
 
 from shardloader.format.writer import write_shards
 from shardloader.synthetic import make_image_samples
+from tests.proctree import descendants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_images.py")
@@ -61,6 +62,10 @@ def _run_and_kill(args: list[str], kill_on: str, nproc: int = 1) -> None:
     for line in proc.stdout:
         seen.append(line.strip())
         if line.strip() == kill_on:
+            # torchrun starts each rank in a session of its own: killing the group alone would
+            # leave the ranks running (and writing into the run's folder). Kill the whole tree.
+            for p in descendants(proc.pid):
+                os.kill(p.pid, signal.SIGKILL)
             os.killpg(proc.pid, signal.SIGKILL)
             break
     proc.wait(timeout=60)

@@ -53,3 +53,50 @@ def test_abandoned_iterations_give_their_slots_back(dataset_dir):
         assert len(loader._pool._slots._slots) <= 2 * (4 + 1)
     finally:
         loader.close()
+
+
+def _pipe_ends(pid: int) -> set[tuple[int, str]]:
+    """(pipe inode, "r" or "w") of every pipe end process `pid` holds open."""
+    ends = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                flags = int(next(line for line in f if line.startswith("flags:")).split()[1], 8)
+        except (OSError, StopIteration):
+            continue
+        if target.startswith("pipe:["):
+            ends.add((int(target[6:-1]), "w" if flags & os.O_ACCMODE == os.O_WRONLY else "r"))
+    return ends
+
+
+def _inode(conn) -> int:
+    return os.fstat(conn.fileno()).st_ino
+
+
+def _pool_pipes(pool) -> set[int]:
+    queues = [pool._results, *pool._task_queues, *pool._slot_returns]
+    return {_inode(q._reader) for q in queues}  # a pipe's two ends share one inode
+
+
+def test_workers_hold_only_their_own_pipe_ends(dataset_dir):
+    """A worker holds the read end of its own task queue, the write end of the result queue and
+    the read end of its slot returns — nothing else of its pool or of another live pool. Else
+    its task read never sees end-of-file when the training process dies (issue 10)."""
+    first, second = make(dataset_dir), make(dataset_dir)
+    try:
+        next(iter(first))
+        next(iter(second))  # its workers were forked while the first pool was alive
+        for loader, other in ((first, second), (second, first)):
+            pool = loader._pool
+            theirs, ours = _pool_pipes(other._pool), _pool_pipes(pool)
+            for worker_id, pid in enumerate(pool.pids()):
+                held = _pipe_ends(pid)
+                expected = {(_inode(pool._task_queues[worker_id]._reader), "r"),
+                            (_inode(pool._results._writer), "w"),
+                            (_inode(pool._slot_returns[worker_id]._reader), "r")}
+                assert {end for end in held if end[0] in ours} == expected
+                assert not {end for end in held if end[0] in theirs}
+    finally:
+        first.close()
+        second.close()

@@ -7,17 +7,18 @@ fingerprint, so `load_state_dict` costs O(1) and continues with exactly the batc
 uninterrupted run would have produced, under any `num_workers` and any world size with the
 same global batch size (invariants I1–I5).
 
-Epochs: iterating the loader yields the rest of the current epoch. When an epoch has been
-consumed to its end, the next `iter()` starts the following epoch (no `set_epoch` needed);
-`set_epoch(e)` jumps to epoch e (keeping the position when e is the current epoch, so the usual
-`for epoch in ...: loader.set_epoch(epoch)` loop resumes correctly). A new `iter()` in the
-middle of an epoch continues from the position the caller reached.
+The epoch contract (invariant I10) is in `Loader`'s docstring; the lifecycle (context manager,
+bounded `close()`, interpreter exit) too.
 """
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing.util  # noqa: F401 - registers its exit handler before ours (see below)
+import numbers
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,7 +36,7 @@ from shardloader.loader.mapstyle import (
 )
 from shardloader.loader.plan import StepPlan
 from shardloader.loader.state import fingerprint_differences, make_state, validate_state
-from shardloader.loader.workers import make_pool
+from shardloader.loader.workers import CLOSE_SECONDS, make_pool
 from shardloader.order.partition import (
     check_world,
     dropped_samples,
@@ -73,6 +74,37 @@ class Loader:
     in each worker process before its first batch. The transform is part of the fingerprint
     (its description, see `shardloader.transforms.transform_version`) unless
     `transform_version` overrides it.
+
+    Epochs — one contract for fresh and resumed runs (invariant I10)::
+
+        loader.load_state_dict(state)              # or Checkpointer.load(..., loader=loader)
+        for epoch in range(loader.epoch, epochs):  # loader.epoch: the epoch to run next
+            loader.set_epoch(epoch)
+            for batch in loader:
+                ...
+
+    - Iterating yields the rest of the current epoch. `loader.epoch` is the epoch the next
+      batch comes from: 0 for a new loader, `e` while epoch e has batches left, `e + 1` once
+      epoch e has been consumed to its end (also right after loading a state saved there).
+    - `set_epoch(e)` where e is the cursor's epoch keeps the position (a no-op); so the loop
+      above continues a state saved mid-epoch e with `range(e, ...)`. For a state saved at
+      the end of epoch e, `set_epoch(e)` keeps the loader there and that epoch's iteration
+      yields nothing; `set_epoch(e + 1)` then starts epoch e + 1. Starting the loop at e or
+      at e + 1 gives the same batches as the uninterrupted run.
+    - `set_epoch` to a later epoch starts it at its first batch (a fresh run may break out of
+      an epoch early and move on, as with DataLoader). A loader just restored from a state is
+      the exception: until its first `iter()`, only `loader.epoch` (and the saved epoch) are
+      accepted; anything else would silently skip data and raises StateError.
+    - `set_epoch` to an earlier epoch would replay data: StateError, saying which loop to
+      write. `set_epoch(e, force=True)` moves anyway (a deliberate replay or skip).
+    - Without `set_epoch`, iterating again after an epoch's end starts the next epoch.
+
+    Lifecycle: `with Loader(...) as loader:` closes it on exit; `close()` is idempotent and
+    bounded (about `CLOSE_SECONDS`: workers that do not stop are terminated, then killed), and
+    the loader can be iterated again afterwards (workers restart). Loaders still open at
+    interpreter exit are closed by an exit handler that runs before multiprocessing's own, so a
+    script that breaks out of its loop and never calls `close()` still exits within seconds;
+    `__del__` never waits. Worker processes die with the training process, by any signal.
     """
 
     def __init__(
@@ -148,9 +180,13 @@ class Loader:
         self._pool: Any = None
         self._epoch = 0
         self._position = 0  # global positions consumed in the current epoch
+        self._restored = False  # loaded from a state and not iterated since (see set_epoch)
+        self._hold = False  # set_epoch(e) at the end of epoch e: the next iter() yields nothing
         self._next_task_id = 0
         self._generation = 0
+        self._active: weakref.ref[_EpochIterator] | None = None
         self._stats = _make_stats()
+        _LIVE_LOADERS.add(self)
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -163,7 +199,15 @@ class Loader:
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        """The epoch the next batch comes from: the cursor's epoch, or the one after it when
+        the cursor is at that epoch's end. `range(loader.epoch, E)` is the resume loop."""
+        return self._epoch + 1 if self._epoch_finished() else self._epoch
+
+    def _epoch_length(self) -> int:
+        return epoch_length(self.num_samples, self.global_batch_size, self.tail)
+
+    def _epoch_finished(self) -> bool:
+        return self._position >= self._epoch_length()
 
     @property
     def step(self) -> int:
@@ -193,13 +237,42 @@ class Loader:
         return self._plan.samples(*self._last_batch)
 
     # -- epochs and state ---------------------------------------------------------------------
-    def set_epoch(self, epoch: int) -> None:
-        """Move to `epoch`; a no-op (position kept) when it is the current epoch."""
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        if epoch != self._epoch:
-            self._epoch, self._position = int(epoch), 0
-            self._generation += 1
+    def set_epoch(self, epoch: int, *, force: bool = False) -> None:
+        """Make `epoch` the one to iterate (see the class docstring for the contract).
+
+        A no-op (position kept) when `epoch` is the cursor's epoch. Raises StateError when the
+        move would replay data (an earlier epoch) or, on a loader just restored from a state,
+        skip data; `force=True` moves to the start of `epoch` regardless."""
+        if not isinstance(epoch, numbers.Integral) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        epoch = int(epoch)
+        if epoch == self._epoch:
+            self._hold = self._epoch_finished()  # this epoch is over: iterating it yields nothing
+            return
+        if not force:
+            self._check_move(epoch)
+        self._epoch, self._position = int(epoch), 0
+        self._restored = self._hold = False
+        self._generation += 1
+
+    def _check_move(self, epoch: int) -> None:
+        where = (f"epoch {self._epoch} at position {self._position} of {self._epoch_length()}"
+                 + (", restored from a saved state" if self._restored else ""))
+        loop = (f"start the epoch loop at the loader's epoch: `for epoch in range(loader.epoch, "
+                f"epochs): loader.set_epoch(epoch)` (loader.epoch is {self.epoch}, the epoch to "
+                f"run next)")
+        if epoch < self._epoch:
+            raise StateError(
+                f"set_epoch({epoch}) would move this loader back from {where} and replay data; "
+                f"{loop}. To replay on purpose, call set_epoch({epoch}, force=True)."
+            )
+        if self._restored and epoch != self.epoch:
+            skipped = (f"the rest of epoch {self._epoch}" if not self._epoch_finished()
+                       else f"epochs {self.epoch}..{epoch - 1}")
+            raise StateError(
+                f"set_epoch({epoch}) would skip {skipped}: this loader is at {where}; {loop}. "
+                f"To skip on purpose, call set_epoch({epoch}, force=True)."
+            )
 
     def fingerprint(self) -> dict[str, Any]:
         return {
@@ -233,14 +306,30 @@ class Loader:
                 f"{length} positions with global batch size {self.global_batch_size}"
             )
         self._epoch, self._position = state["epoch"], position
+        self._restored, self._hold = True, False
         self._generation += 1
 
     # -- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
-        if self._position >= epoch_length(self.num_samples, self.global_batch_size, self.tail):
-            self._epoch, self._position = self._epoch + 1, 0
         self._generation += 1
-        return _EpochIterator(self, self._generation)
+        self._restored = False
+        self._finish_active()
+        if self._epoch_finished():
+            if self._hold:  # set_epoch(e) at the end of epoch e: nothing of it is left
+                self._hold = False
+                return iter(())
+            self._epoch, self._position = self._epoch + 1, 0
+        self._hold = False
+        iterator = _EpochIterator(self, self._generation)
+        self._active = weakref.ref(iterator)
+        return iterator
+
+    def _finish_active(self, timeout: float = CLOSE_SECONDS) -> None:
+        """Stop the prefetch of the iterator handed out last, if it did not finish."""
+        iterator = self._active() if self._active is not None else None
+        self._active = None
+        if iterator is not None:
+            iterator._finish(release=False, timeout=timeout)
 
     def _get_pool(self) -> Any:
         if self._pool is None:
@@ -248,10 +337,10 @@ class Loader:
                                    context=self._mp_context, timeout=self._timeout)
         return self._pool
 
-    def _release_pool(self, force: bool = False) -> None:
+    def _release_pool(self, force: bool = False, timeout: float = CLOSE_SECONDS) -> None:
         if self._pool is not None and (force or not self.persistent_workers):
-            self._pool.close()
-            self._pool = None
+            pool, self._pool = self._pool, None
+            pool.close(timeout)
 
     def _new_task_id(self) -> int:
         self._next_task_id += 1
@@ -263,19 +352,57 @@ class Loader:
         summary.update({f"{k}_per_epoch": v for k, v in self.tail_report().items()})
         return summary
 
-    def close(self) -> None:
-        """Stop the workers. The loader can be iterated again (workers restart)."""
+    def close(self, timeout: float = CLOSE_SECONDS) -> None:
+        """Stop the workers and the prefetch, within about `timeout` seconds; idempotent.
+
+        The loader can be iterated again afterwards (workers restart); its position is kept."""
         self._generation += 1
-        self._release_pool(force=True)
+        deadline = time.monotonic() + timeout
+        self._finish_active(timeout=timeout)
+        self._release_pool(force=True, timeout=max(0.0, deadline - time.monotonic()))
         close = getattr(self._data, "close", None)
         if close is not None:
             close()  # drops this process's readers and their cache pins
 
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __del__(self) -> None:
+        # Never wait here: __del__ may run at interpreter exit or inside a garbage collection
+        # on any thread. Workers are killed; pipes close with their objects.
         try:
-            self._release_pool(force=True)
+            pool, self._pool = self._pool, None
+            if pool is not None:
+                abandon = getattr(pool, "abandon", None)
+                if abandon is not None:
+                    abandon()
+                else:
+                    pool.close(0.0)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
+
+
+#: Loaders not yet garbage-collected; closed at interpreter exit (weak: never kept alive).
+_LIVE_LOADERS: weakref.WeakSet[Loader] = weakref.WeakSet()
+
+
+def _close_live_loaders() -> None:
+    """atexit: close every live loader, bounded, before multiprocessing's exit handler runs.
+
+    atexit runs handlers last-registered first, and `multiprocessing.util` (imported above)
+    registered its handler before this one; that handler joins non-daemon children and, at
+    shutdown, a half-closed queue can wait forever on a feeder thread that cannot start."""
+    for loader in list(_LIVE_LOADERS):
+        try:
+            loader.close(timeout=CLOSE_SECONDS)
+        except Exception:  # noqa: BLE001 - exit must go on; a failing close loses nothing here
+            pass
+
+
+atexit.register(_close_live_loaders)
 
 
 def _make_stats() -> Any:
@@ -294,7 +421,7 @@ class _EpochIterator:
         self.generation = generation
         self.epoch = loader._epoch
         self.steps = len(loader)
-        self.next_step = loader._position // loader.global_batch_size
+        self.next_step = -(-loader._position // loader.global_batch_size)  # the end: steps
         self.length = epoch_length(loader.num_samples, loader.global_batch_size, loader.tail)
         check = getattr(loader._data, "check_capacity", None)
         if check is not None:  # a cache too small for this configuration fails here, not mid-epoch
@@ -421,12 +548,17 @@ class _EpochIterator:
             before = self._counters_at_start
         return {k: now.get(k, 0) - before.get(k, 0) for k in ("cache_hits", "cache_misses", "bytes_downloaded")}
 
-    def _finish(self, error: bool = False) -> None:
+    def _finish(self, error: bool = False, release: bool = True, timeout: float | None = None) -> None:
         if self.finished:
             return
         self.finished = True
         if self.prefetch_handle is not None:
-            self.prefetch_handle.stop()
+            if timeout is None:
+                self.prefetch_handle.stop()  # the epoch's end: downloads are done or useless
+            else:
+                self.prefetch_handle.stop(timeout)
+        if not release:
+            return
         if error:
             self.loader._release_pool(force=True)
         else:
@@ -435,6 +567,6 @@ class _EpochIterator:
     def __del__(self) -> None:
         try:
             if not self.finished and self.prefetch_handle is not None:
-                self.prefetch_handle.stop()
+                self.prefetch_handle.stop(0.0)  # cancel; never wait in __del__
         except Exception:  # noqa: BLE001
             pass

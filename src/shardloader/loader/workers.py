@@ -7,7 +7,11 @@ Three kinds, same interface (`submit(task)`, `get(task_id)`, `ready()`, `close()
 - `ProcessPool`: worker processes (fork by default, like DataLoader on Linux). Batches come
   back through a queue; their tensors travel through shared-memory slots that each worker
   reuses (`shardloader.loader.slots`). A worker that dies is detected while waiting and raised
-  as WorkerError naming it — never a hang.
+  as WorkerError naming it — never a hang. Workers die with the training process, by any
+  signal (`die_with_parent`), and hold only their own ends of the pipes (see `_worker_main`).
+
+`close()` is idempotent and bounded (`CLOSE_SECONDS` by default): what does not stop in time
+is terminated, then killed; it never waits on a thread or a process without a deadline.
 
 Results are keyed by task id and handed out in the order the loader asks for them, so output
 never depends on which worker finished first.
@@ -22,17 +26,21 @@ import signal
 import threading
 import time
 import traceback
+import weakref
 from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp
 
+from shardloader.child_process import die_with_parent, started_from_main_thread
 from shardloader.errors import WorkerError
 from shardloader.loader.batches import BatchProducer, BatchTask, BatchTimings
 from shardloader.loader.slots import SlotReader, SlotWriter
 
 Result = tuple[Any, BatchTimings]
 _POLL_SECONDS = 0.2
+#: How long `close()` lets workers finish before it terminates (then kills) them, in all.
+CLOSE_SECONDS = 5.0
 
 
 class InlinePool:
@@ -54,26 +62,52 @@ class InlinePool:
     def discard_pending(self) -> None:
         self._tasks.clear()
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_SECONDS) -> None:
         self._tasks.clear()
 
 
 class ThreadPool:
-    """Worker threads sharing the process (and its open shard readers)."""
+    """Worker threads sharing the process (and its open shard readers).
 
-    def __init__(self, producer: BatchProducer, num_workers: int) -> None:
+    Daemon threads, not a `concurrent.futures.ThreadPoolExecutor`: the executor's threads are
+    joined without a limit at interpreter exit, so one batch stuck in a read (a silent server)
+    would hang the script's exit forever. A daemon thread still busy then is abandoned."""
+
+    def __init__(self, producer: BatchProducer, num_workers: int, *, timeout: float | None = None) -> None:
         self.producer = producer
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            num_workers, thread_name_prefix="shardloader")
+        self.timeout = timeout
+        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Result], BatchTask] | None] = \
+            queue.SimpleQueue()
         self._futures: dict[int, concurrent.futures.Future[Result]] = {}
+        self._threads = [threading.Thread(target=self._work, name=f"shardloader-worker-{i}", daemon=True)
+                         for i in range(num_workers)]
+        for thread in self._threads:
+            thread.start()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, task = item
+            if not future.set_running_or_notify_cancel():  # discarded before it started
+                continue
+            try:
+                future.set_result(self.producer(task))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the batch
+                future.set_exception(e)
 
     def submit(self, task: BatchTask) -> None:
-        self._futures[task.task_id] = self._executor.submit(self.producer, task)
+        future: concurrent.futures.Future[Result] = concurrent.futures.Future()
+        self._futures[task.task_id] = future
+        self._queue.put((future, task))
 
     def get(self, task_id: int) -> Result:
         future = self._futures.pop(task_id)
         try:
-            return future.result()
+            return future.result(self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise WorkerError(f"batch task {task_id} took longer than the {self.timeout} s timeout") from None
         except Exception as e:
             raise WorkerError(f"worker thread failed on batch task {task_id}: {e}") from e
 
@@ -85,13 +119,28 @@ class ThreadPool:
             future.cancel()
         self._futures.clear()
 
-    def close(self) -> None:
+    def close(self, timeout: float = CLOSE_SECONDS) -> None:
+        """Cancel queued tasks and wait up to `timeout` for the batches in progress.
+
+        A thread cannot be stopped from outside: one still busy after `timeout` (a read stuck
+        on a slow network, say) is left to finish on its own (it is a daemon: it never holds
+        up the interpreter's exit); its result is discarded."""
         self.discard_pending()
-        self._executor.shutdown(wait=True, cancel_futures=True)
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _worker_main(worker_id: int, producer: BatchProducer, tasks: Any, results: Any,
-                 returned_slots: Any) -> None:
+                 returned_slots: Any, parent_pid: int, use_signal: bool) -> None:
+    # First: die with the training process, however it ends (SIGKILL included). The kernel's
+    # parent-death signal is only armed when the pool was made on the parent's main thread
+    # (see shardloader.child_process); parent-pid polling covers every case.
+    die_with_parent(parent_pid, use_signal=use_signal)
+    _close_inherited_ends(tasks, results, returned_slots)
     # Ctrl-C goes to the main process, which shuts workers down; workers must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     producer.report_cache_counters = True  # this process's cache counters are its batches'
@@ -108,7 +157,10 @@ def _worker_main(worker_id: int, producer: BatchProducer, tasks: Any, results: A
         pass
     writer = SlotWriter(returned_slots)
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get()
+        except (EOFError, OSError):  # every write end is closed: the training process is gone
+            return
         if task is None:
             return
         try:
@@ -117,6 +169,27 @@ def _worker_main(worker_id: int, producer: BatchProducer, tasks: Any, results: A
         except Exception as e:  # noqa: BLE001 - every failure is reported to the caller
             message = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
             results.put((worker_id, task.task_id, False, message))
+
+
+def _close_inherited_ends(tasks: Any, results: Any, returned_slots: Any) -> None:
+    """In a forked worker, close every pipe end it inherited but must not hold.
+
+    A forked child holds a copy of each descriptor its parent had open: the write end of its
+    own task queue, the other workers' queues, the read end of the result queue, and the pipes
+    of any other live pool. As long as a worker holds the write end of its own task queue, its
+    read never sees end-of-file when the training process dies, and a worker of another pool
+    keeps this pool's pipes alive after this pool's workers are gone. Kept: the read end of
+    `tasks`, the write end of `results`, the read end of `returned_slots`.
+    (Under "spawn"/"forkserver" the child inherits none of these, and the registry is empty.)
+    """
+    keep = {id(tasks._reader), id(results._writer), id(returned_slots._reader)}
+    for pool in list(_LIVE_POOLS):
+        for conn in pool._connections():
+            if id(conn) not in keep:
+                try:
+                    conn.close()
+                except OSError:
+                    pass
 
 
 _WORKER_NICE = 5
@@ -151,28 +224,35 @@ class ProcessPool:
         if ctx.get_start_method() == "fork":
             producer.warm_up()  # workers inherit the imports instead of each paying for them
         self.timeout = timeout
+        self._closed = False
         self._results = ctx.Queue()
         self._task_queues = [ctx.SimpleQueue() for _ in range(num_workers)]
         self._slot_returns = [ctx.SimpleQueue() for _ in range(num_workers)]
         self._slots = SlotReader(self._slot_returns)
         self._workers = []
-        for worker_id, tasks in enumerate(self._task_queues):
-            process = ctx.Process(
-                target=_worker_main,
-                args=(worker_id, producer, tasks, self._results, self._slot_returns[worker_id]),
-                name=f"shardloader-worker-{worker_id}",
-                daemon=True,
-            )
-            process.start()
-            self._workers.append(process)
         self._next_worker = 0
         self._assigned: dict[int, int] = {}  # task id -> worker id
         self._done: dict[int, tuple[bool, Any]] = {}
         self._cond = threading.Condition()
         self._receiver_error: str | None = None
-        self._closed = False
         self._receiver = threading.Thread(target=self._receive, name="shardloader-receiver",
                                           daemon=True)
+        _LIVE_POOLS.add(self)  # before forking: each worker closes what it must not hold
+        parent_pid, use_signal = os.getpid(), started_from_main_thread()
+        try:
+            for worker_id, tasks in enumerate(self._task_queues):
+                process = ctx.Process(
+                    target=_worker_main,
+                    args=(worker_id, producer, tasks, self._results, self._slot_returns[worker_id],
+                          parent_pid, use_signal),
+                    name=f"shardloader-worker-{worker_id}",
+                    daemon=True,
+                )
+                process.start()
+                self._workers.append(process)
+        except BaseException:
+            self.close()
+            raise
         self._receiver.start()
 
     def submit(self, task: BatchTask) -> None:
@@ -248,34 +328,80 @@ class ProcessPool:
             self._assigned.clear()
             self._done.clear()
 
-    def close(self) -> None:
+    def _connections(self) -> list[Any]:
+        """Every pipe end this pool's queues hold in this process."""
+        conns = [self._results._reader, self._results._writer]
+        for q in (*self._task_queues, *self._slot_returns):
+            conns += [q._reader, q._writer]
+        return conns
+
+    def close(self, timeout: float = CLOSE_SECONDS) -> None:
+        """Stop the workers within about `timeout` seconds; idempotent, never unbounded.
+
+        Asks each worker to stop (a None task), waits until the deadline, then terminates and
+        finally kills what is left. Safe at interpreter exit: it starts no thread (the result
+        queue's feeder thread is never started here) and the receiver thread notices
+        `_closed` at its next poll."""
         if self._closed:
             return
         self._closed = True
-        for tasks in self._task_queues:
-            try:
-                tasks.put(None)
-            except (OSError, ValueError):
-                pass
-        for process in self._workers:
-            process.join(timeout=5)
-            if process.is_alive():
-                process.terminate()
-                process.join(timeout=5)
-        try:
-            self._results.put(None)  # wake the receiver now rather than at its next poll
-        except (OSError, ValueError):
-            pass
-        self._receiver.join(timeout=5)
+        _LIVE_POOLS.discard(self)
+        deadline = time.monotonic() + max(0.0, timeout)
+        for tasks, process in zip(self._task_queues, self._workers):
+            if process.is_alive():  # a dead worker's pipe may be full: never block on it
+                try:
+                    tasks.put(None)
+                except (OSError, ValueError):
+                    pass
+        _join_all(self._workers, deadline)
+        for sig_method, grace in (("terminate", 1.0), ("kill", 1.0)):
+            alive = [p for p in self._workers if p.is_alive()]
+            if not alive:
+                break
+            for process in alive:
+                getattr(process, sig_method)()
+            _join_all(alive, time.monotonic() + grace)
+        if self._receiver is not threading.current_thread() and self._receiver.is_alive():
+            self._receiver.join(max(0.0, min(2 * _POLL_SECONDS, deadline - time.monotonic())) or 0.01)
         self._results.cancel_join_thread()
         self._results.close()
+        for q in (*self._task_queues, *self._slot_returns):
+            try:
+                q.close()
+            except (OSError, ValueError):
+                pass
         self._slots.clear()
         with self._cond:
             self._done.clear()
             self._assigned.clear()
+            self._cond.notify_all()
+
+    def abandon(self) -> None:
+        """Stop without waiting for anything (for `__del__` and interpreter exit from a state
+        where waiting is unsafe): workers are killed; the pipes close with this object."""
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE_POOLS.discard(self)
+        for process in self._workers:
+            try:
+                if process.is_alive():
+                    process.kill()
+            except (OSError, ValueError, AttributeError):
+                pass
 
     def pids(self) -> list[int]:
         return [p.pid for p in self._workers if p.pid is not None]
+
+
+def _join_all(processes: list[Any], deadline: float) -> None:
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+
+
+#: Process pools alive in this process. A forked worker closes their pipe ends (it must not
+#: hold them); a weak set, so a pool nobody references is not kept alive by it.
+_LIVE_POOLS: weakref.WeakSet[ProcessPool] = weakref.WeakSet()
 
 
 def make_pool(producer: BatchProducer, num_workers: int, worker_type: str, *,
@@ -285,7 +411,7 @@ def make_pool(producer: BatchProducer, num_workers: int, worker_type: str, *,
     if num_workers == 0:
         return InlinePool(producer)
     if worker_type == "thread":
-        return ThreadPool(producer, num_workers)
+        return ThreadPool(producer, num_workers, timeout=timeout)
     if worker_type == "process":
         return ProcessPool(producer, num_workers, context=context, timeout=timeout)
     raise ValueError(f"worker_type must be 'process' or 'thread', got {worker_type!r}")
