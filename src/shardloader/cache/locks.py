@@ -34,18 +34,23 @@ _AFTER_FORK: list[Callable[[], None]] = []
 
 
 def open_fd(path: str, flags: int, mode: int = FILE_MODE) -> int:
-    """`os.open`, with the descriptor registered to be closed in forked children."""
-    fd = os.open(path, flags | os.O_CLOEXEC, mode)
+    """`os.open`, with the descriptor registered to be closed in forked children.
+
+    Opening and registering happen under the guard that a fork takes (see `_before_fork`):
+    a child forked between the two would keep an unregistered copy, and with it any lock the
+    parent later takes on that file description, for its whole life."""
     with _LOCK_FDS_GUARD:
+        fd = os.open(path, flags | os.O_CLOEXEC, mode)
         _LOCK_FDS.add(fd)
     return fd
 
 
 def close_fd(fd: int) -> None:
-    """Close a descriptor from `open_fd` (closing the last one drops its lock)."""
+    """Close a descriptor from `open_fd` (closing the last one drops its lock). Unregistering
+    and closing happen under the fork guard, for the same reason as in `open_fd`."""
     with _LOCK_FDS_GUARD:
         _LOCK_FDS.discard(fd)
-    os.close(fd)
+        os.close(fd)
 
 
 def after_fork_in_child(callback: Callable[[], None]) -> None:
@@ -64,7 +69,16 @@ def _close_inherited() -> None:
         callback()
 
 
-os.register_at_fork(after_in_child=_close_inherited)
+def _before_fork() -> None:
+    _LOCK_FDS_GUARD.acquire()  # no descriptor is half opened or half closed while we fork
+
+
+def _after_fork_in_parent() -> None:
+    _LOCK_FDS_GUARD.release()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_close_inherited)
 
 
 @contextlib.contextmanager
