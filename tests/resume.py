@@ -189,3 +189,26 @@ def assert_exact_epoch_loop_resume(
         _close(resumed)
     assert_same_batches(first + rest, reference, f"epoch loop stopped after {stop_after} batches")
     return list(reference)
+
+
+def assert_identical(a: Any, b: Any, path: str = "batch") -> None:
+    """`a` and `b` are the same batch: container types, keys, dtypes, shapes and bytes."""
+    assert type(a) is type(b), f"{path}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert _tensor_bytes(a) == _tensor_bytes(b), f"{path}: bytes differ"
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{path}: keys {list(a)} vs {list(b)}"
+        for k in a:
+            assert_identical(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{path}: length {len(a)} vs {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} vs {b!r}"
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of `t`, for any dtype (bfloat16 has no numpy twin)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

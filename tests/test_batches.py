@@ -1,5 +1,5 @@
-"""Batch production: the fast collate gives default_collate's batches, and each sample's
-augmentation is exactly the one its key defines (I3), however cheaply the producer gets there."""
+"""Batch production: each sample's augmentation is exactly the one its key defines (I3),
+whatever batch it shares and however cheaply the producer gets there."""
 
 from __future__ import annotations
 
@@ -12,83 +12,11 @@ from torch.utils.data import default_collate
 
 from shardloader import Dataset
 from shardloader.format.writer import write_shards
-from shardloader.loader.batches import BatchProducer, BatchTask, collate, uses_global_rng
+from shardloader.loader.batches import BatchProducer, BatchTask, uses_global_rng
 from shardloader.order.seeding import sample_generator, sample_key
 from shardloader.synthetic import make_image_samples
 from shardloader.transforms import Compose, DecodeCropFlip, Lambda, ToTensor
-
-
-def assert_same(a, b, where="batch"):
-    """Equal structure, types, dtypes, shapes and bytes."""
-    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
-        assert torch.equal(a, b), f"{where}: values differ"
-    elif isinstance(a, dict):
-        assert list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{where}: lengths differ"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def _records(kind: str, n: int = 5):
-    rng = np.random.default_rng(7)
-    if kind == "images":
-        return [{"image": rng.integers(0, 256, (6, 5, 3), dtype=np.uint8), "label": i,
-                 "__index__": 100 + i} for i in range(n)]
-    if kind == "mixed":
-        return [{"f32": rng.random((2, 3), dtype=np.float32), "f64": float(i) / 3,
-                 "flag": bool(i % 2), "name": f"s{i}", "scalar": np.array(i, dtype=np.int16),
-                 "bools": rng.random(4) > 0.5, "tensor": torch.arange(i, i + 3),
-                 "half": torch.full((2,), i, dtype=torch.float16),
-                 "nested": {"c64": (rng.random(2) + 1j).astype(np.complex64), "k": i}}
-                for i in range(n)]
-    if kind == "tuples":
-        return [(rng.integers(0, 9, (3,), dtype=np.int64), i) for i in range(n)]
-    if kind == "big-endian":
-        return [{"x": np.arange(3, dtype=">i4")} for _ in range(n)]
-    if kind == "non-contiguous":
-        return [{"x": rng.random((4, 6))[:, ::2], "t": torch.arange(12).view(3, 4).t()}
-                for _ in range(n)]
-    if kind == "bfloat16":
-        return [{"x": torch.full((3,), 1.5 + i, dtype=torch.bfloat16)} for i in range(n)]
-    raise ValueError(kind)
-
-
-@pytest.mark.parametrize("kind", ["images", "mixed", "tuples", "big-endian", "non-contiguous",
-                                  "bfloat16"])
-def test_collate_gives_default_collates_batch_or_error(kind):
-    records = _records(kind)
-    try:
-        expected = default_collate(records)
-    except Exception as e:  # noqa: BLE001 - then ours must fail the same way
-        with pytest.raises(type(e)) as ours:
-            collate(records)
-        assert str(ours.value) == str(e)
-    else:
-        assert_same(collate(records), expected)
-
-
-def test_collate_of_mismatched_shapes_fails_like_default_collate():
-    records = [{"x": np.zeros((2, 2), np.uint8)}, {"x": np.zeros((3, 2), np.uint8)}]
-    with pytest.raises(RuntimeError) as expected:
-        default_collate(records)
-    with pytest.raises(RuntimeError) as ours:
-        collate(records)
-    assert str(ours.value) == str(expected.value)
-
-
-def test_collate_of_dicts_with_different_keys_fails_like_default_collate():
-    records = [{"x": np.zeros(2)}, {"y": np.zeros(2)}]
-    with pytest.raises(KeyError):
-        default_collate(records)
-    with pytest.raises(KeyError):
-        collate(records)
+from tests.resume import assert_identical
 
 
 def test_builtin_transforms_declare_they_need_no_global_seeding():
@@ -146,7 +74,7 @@ def test_producer_batches_are_the_keyed_per_sample_augmentations(image_dataset, 
     samples = np.array([33, 2, 17, 2, 39, 0, 21])  # across shards, one repeated
     batch, _ = producer(BatchTask(1, 4, 0, samples))
     expected = _reference_batch(image_dataset, transform, 11, 4, samples, seed_globals)
-    assert_same(batch, expected)
+    assert_identical(batch, expected)
     # and the process's own global streams are where they were
     random.seed(5)
     np.random.seed(5)
