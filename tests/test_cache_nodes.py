@@ -40,7 +40,7 @@ def test_two_nodes_download_each_shard_once_and_read_the_one_node_sequence(tmp_p
     data = str(tmp_path / "ds")
     index = write_shards(make_samples(264), data, shard_samples=11)  # 24 shards, 22 global batches
     url = s3_server.upload_dir(data, s3_server.create_bucket(), "ds")
-    reference_loader = Loader(Dataset(data), batch_size=GLOBAL_BATCH, seed=5, transform=noisy_crop,
+    reference_loader = Loader(Dataset(data), batch_size=GLOBAL_BATCH, shuffle=True, seed=5, transform=noisy_crop,
                               partitions=4, window=2, rank=0, world_size=1)
     reference = [(i, c.numpy().tobytes().hex()) for b in reference_loader
                  for i, c in zip(b["__index__"].tolist(), b["crop"])]

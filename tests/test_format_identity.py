@@ -51,7 +51,7 @@ def small_dataset(tmp_path_factory):
 
 
 def _loader(root: str, num_workers: int, transform: Any = None) -> Loader:
-    return Loader(Dataset(root, max_open_shards=1), batch_size=BATCH, seed=3, window=2,
+    return Loader(Dataset(root, max_open_shards=1), batch_size=BATCH, shuffle=True, seed=3, window=2,
                   partitions=1, num_workers=num_workers, prefetch_factor=2, transform=transform)
 
 

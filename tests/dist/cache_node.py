@@ -30,7 +30,7 @@ def main() -> None:
         "client_kwargs": {"endpoint_url": args.endpoint, "region_name": "us-east-1"},
     }
     dataset = Dataset(args.url, cache_dir=args.cache, cache_limit="1GB", storage_options=options)
-    loader = Loader(dataset, batch_size=args.global_batch // world, seed=5, transform=noisy_crop,
+    loader = Loader(dataset, batch_size=args.global_batch // world, shuffle=True, seed=5, transform=noisy_crop,
                     partitions=4, window=2, num_workers=args.workers)
     assert loader.rank == rank and loader.world_size == world  # taken from torch.distributed
     received = [
