@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shardloader.loader.slots import SlotReader, SlotWriter
-from tests.test_batches import assert_same
+from tests.resume import assert_identical
 
 
 @pytest.fixture()
@@ -47,7 +47,7 @@ def test_roundtrip_is_exact_for_any_structure(pair):
     out = reader.unpack(0, packed, wanted=True)
     grad_in, grad_out = batch.pop("grad"), out.pop("grad")
     np.testing.assert_array_equal(out.pop("array"), batch.pop("array"))
-    assert_same(out, batch)
+    assert_identical(out, batch)
     assert grad_out.requires_grad and torch.equal(grad_out.detach(), grad_in.detach())
 
 
