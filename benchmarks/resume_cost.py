@@ -40,6 +40,9 @@ class IndexOnlyDataset:
     def __len__(self) -> int:
         return self.index.num_samples
 
+    def get_many(self, samples):  # the Loader's native interface; this benchmark reads no data
+        raise NotImplementedError("an index-only dataset holds no samples")
+
 
 def resume_seconds(dataset: IndexOnlyDataset, batch: int = 256, repeats: int = 5) -> float:
     reference = Loader(dataset, batch_size=batch, seed=1, shuffle=True)
