@@ -18,6 +18,7 @@ import textwrap
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
@@ -234,29 +235,28 @@ def _env() -> dict[str, str]:
             "OMP_NUM_THREADS": "1"}
 
 
-@pytest.mark.parametrize("telemetry", [False, True], ids=["no-telemetry", "mlflow"])
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
-def test_module_level_loader_and_break_exits_within_seconds(dataset_dir, tmp_path, mlflow_local_store,
-                                                           worker_type, telemetry):
+def _assert_exits_within_seconds(script_text: str, args: list[str], ready: str,
+                                 tmp_path: Path) -> None:
+    """Run `script_text`; once it prints `ready`, it must exit (status 0) within seconds and
+    leave no process behind (I11)."""
     script = tmp_path / "script.py"
-    script.write_text(EXIT_SCRIPT)
+    script.write_text(script_text)
     errors = tmp_path / "stderr.txt"  # a file: a leftover process holding a pipe would hang reads
     with open(errors, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, str(script), dataset_dir, worker_type,
-                                 mlflow_local_store if telemetry else "-"],
+        proc = subprocess.Popen([sys.executable, str(script), *args],
                                 stdout=subprocess.PIPE, stderr=stderr, text=True, env=_env(),
                                 start_new_session=True)
     try:
         line = _readline(proc, 120)
-        assert line.strip() == "LOOP DONE", line + errors.read_text()
+        assert line.strip() == ready, line + errors.read_text()
         tree = descendants(proc.pid)
-        loop_done = time.monotonic()
+        ready_at = time.monotonic()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             pytest.fail(f"the script hung at exit for 30 s; its processes: "
                         f"{[p.describe() for p in descendants(proc.pid)]}")
-        exit_seconds = time.monotonic() - loop_done
+        exit_seconds = time.monotonic() - ready_at
         assert proc.returncode == 0, errors.read_text()[-3000:]
         assert exit_seconds < 15.0, f"exit took {exit_seconds:.1f} s"  # a hang is forever
         left = wait_gone(tree, ORPHAN_DEADLINE)
@@ -265,6 +265,15 @@ def test_module_level_loader_and_break_exits_within_seconds(dataset_dir, tmp_pat
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.parametrize("telemetry", [False, True], ids=["no-telemetry", "mlflow"])
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_module_level_loader_and_break_exits_within_seconds(dataset_dir, tmp_path, mlflow_local_store,
+                                                           worker_type, telemetry):
+    _assert_exits_within_seconds(EXIT_SCRIPT, [dataset_dir, worker_type,
+                                               mlflow_local_store if telemetry else "-"],
+                                 "LOOP DONE", tmp_path)
 
 
 STUCK_SCRIPT = """
@@ -287,28 +296,7 @@ except WorkerError:
 @pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_exit_without_close_while_a_worker_is_stuck(dataset_dir, tmp_path, worker_type):
     """Interpreter exit is bounded even when a worker never finishes its batch (I11)."""
-    script = tmp_path / "stuck.py"
-    script.write_text(STUCK_SCRIPT)
-    errors = tmp_path / "stderr.txt"
-    with open(errors, "w") as stderr:
-        proc = subprocess.Popen([sys.executable, str(script), dataset_dir, worker_type],
-                                stdout=subprocess.PIPE, stderr=stderr, text=True, env=_env(),
-                                start_new_session=True)
-    try:
-        line = _readline(proc, 120)
-        assert line.strip() == "GAVE UP", line + errors.read_text()
-        tree = descendants(proc.pid)
-        gave_up = time.monotonic()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pytest.fail("the script hung at exit for 30 s with a stuck worker")
-        assert time.monotonic() - gave_up < 15.0
-        assert not wait_gone(tree, ORPHAN_DEADLINE)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    _assert_exits_within_seconds(STUCK_SCRIPT, [dataset_dir, worker_type], "GAVE UP", tmp_path)
 
 
 # -- SIGKILL: no process outlives the trainer ----------------------------------------------------
