@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from shardloader.distenv import process_group_active
+
 _GLOO_GROUP: Any = None
 
 _SUMMED = (
@@ -44,7 +46,7 @@ def aggregate_across_ranks(summary: Mapping[str, float], group: Any = None) -> d
     """
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not process_group_active():
         return combine_summaries([dict(summary)])
     if group is None:
         group = _gloo_group()

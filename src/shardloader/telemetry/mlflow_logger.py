@@ -228,10 +228,11 @@ class MLflowLogger(BackgroundSink):
         if _broadcast_needed(self.all_ranks, self.run_id):
             import torch.distributed as dist
 
-            box: list[Any] = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+            first = rank_and_world()[0] == 0
+            box: list[Any] = [uuid.uuid4().hex if first else None]
             dist.broadcast_object_list(box, src=0, group=group)
             self._run_token = box[0]
-            self._create_run = dist.get_rank() == 0
+            self._create_run = first
             self._sweep = self._create_run
             return
         if self.run_id is None:
