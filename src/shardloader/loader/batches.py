@@ -22,6 +22,7 @@ import torch
 from shardloader.loader.collate import collate
 from shardloader.order.seeding import GlobalRngScope, sample_keys
 from shardloader.source import LocalSource
+from shardloader.transforms.fused import DecodeCropFlip
 
 Transform = Callable[..., dict[str, Any]]
 
@@ -92,6 +93,7 @@ class BatchProducer:
         self.worker_init_fn = worker_init_fn
         self._pass_generator = accepts_generator(transform)
         self._seed_globals = uses_global_rng(transform)
+        self._direct = direct_batch_transform(transform, self.collate_fn)
 
     #: Set in a worker process: its cache counters then belong to the batches it produces.
     #: In the training process (num_workers=0, or threads) the Loader takes the process-wide
@@ -133,9 +135,11 @@ class BatchProducer:
             after = counters()
             for name in ("cache_hits", "cache_misses", "bytes_downloaded"):
                 setattr(timings, name, int(after.get(name, 0) - before.get(name, 0)))
-        if self.transform is not None:
-            records = self._transform_all(task, records, samples)
-        batch = self.collate_fn(records)
+        batch = self._direct_batch(task, records, samples) if self._direct is not None else None
+        if batch is None:
+            if self.transform is not None:
+                records = self._transform_all(task, records, samples)
+            batch = self.collate_fn(records)
         timings.transform_seconds = time.perf_counter() - t1
         return batch, timings
 
@@ -162,6 +166,34 @@ class BatchProducer:
         except Exception:  # noqa: BLE001 - an optimisation only; workers raise the real error
             pass
 
+    def _direct_batch(self, task: BatchTask, records: list[Any], samples: np.ndarray) -> Any:
+        """The batch of a `DecodeCropFlip` with the default collate, each image written by the
+        transform straight into the batch tensor: the same bytes, keys and types as
+        `collate([transform(r, generator=g_i) for r in records])` (tests compare them), without
+        a dict and an image array per sample and without collate's copy of every image. None
+        when the records are not all dicts with the same fields (then the general path runs).
+
+        Measured (2 cores, 128-256 px JPEGs to 112 px, batch 64): see docs/loader.md.
+        """
+        transform = self._direct
+        first = records[0] if records else None
+        if type(first) is not dict or not all(type(r) is dict and r.keys() == first.keys()
+                                             for r in records):
+            return None
+        keys = sample_keys(self.seed, task.epoch, samples)
+        shape = transform.batch_shape()
+        images = torch.empty((len(records), *shape), dtype=torch.uint8)
+        array = images.numpy()
+        scratch = np.empty(shape, dtype=np.uint8)
+        generator = torch.Generator()
+        for i, (record, key) in enumerate(zip(records, keys)):
+            generator.manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
+            transform.into(record, array[i], generator, scratch)
+        out = transform.out
+        fields = list(first) + ([] if out in first else [out])
+        return {name: images if name == out else self.collate_fn([r[name] for r in records])
+                for name in fields}
+
     def _transform_all(self, task: BatchTask, records: list[dict[str, Any]], samples: np.ndarray) -> list[Any]:
         out = []
         transform = self.transform
@@ -187,6 +219,18 @@ class BatchProducer:
                             result[name] = record[name]
                 out.append(result)
         return out
+
+
+def direct_batch_transform(transform: Any, collate_fn: Any) -> DecodeCropFlip | None:
+    """`transform` if batches can take the direct path (`BatchProducer._direct_batch`): a
+    `DecodeCropFlip` (not a subclass that changes how a sample is made) whose output `into`
+    can write, with the default collate; else None."""
+    if (isinstance(transform, DecodeCropFlip) and collate_fn is collate
+            and type(transform).__call__ is DecodeCropFlip.__call__
+            and type(transform).into is DecodeCropFlip.into
+            and transform.batch_shape() is not None):
+        return transform
+    return None
 
 
 _GLOBAL_RNG_LOCK = threading.Lock()

@@ -30,10 +30,12 @@ import torch
 from shardloader.transforms.base import Sample, Transform, get_field, opencv, with_field
 from shardloader.transforms.decode import decode_field, decode_jpeg, image_bytes, is_jpeg
 from shardloader.transforms.geometry import (
-    draw_flip,
+    DEFAULT_ANTIALIAS_METHOD,
+    check_antialias_method,
     flip_hwc,
+    method_param,
     resize_cv2,
-    sample_crop_box,
+    sample_crop_box_and_flip,
     size_pair,
 )
 
@@ -50,6 +52,12 @@ class DecodeCropFlip(Transform):
     `fastdct` and `fastupsample` select libjpeg-turbo's faster integer IDCT and nearest chroma
     upsampling: measured +5-10% samples/s, but mean pixel differences from the exact decode of
     about 1 and 3.6 levels respectively, so both are off by default.
+    `antialias_method` is how `antialias=True` downscales: "adaptive" (default) or "k-area"
+    (the only method before "adaptive" was added; pass it to resume a state saved then). See
+    `shardloader.transforms.geometry`.
+
+    `into(sample, dst, generator)` writes the image into a preallocated array instead (a slice
+    of a batch: the Loader's fast batch path), with the same bytes.
     """
 
     impl = 1
@@ -69,8 +77,11 @@ class DecodeCropFlip(Transform):
         fastdct: bool = False,
         fastupsample: bool = False,
         max_upscale: float = 1.0,
+        antialias_method: str = DEFAULT_ANTIALIAS_METHOD,
     ) -> None:
         self.size = size_pair(size, "DecodeCropFlip")
+        check_antialias_method(antialias_method, "DecodeCropFlip")
+        self.antialias_method = antialias_method
         if not 0 < scale[0] <= scale[1]:
             raise ValueError(f"DecodeCropFlip: need 0 < scale[0] <= scale[1], got {scale!r}")
         if not 0 < ratio[0] <= ratio[1]:
@@ -94,6 +105,7 @@ class DecodeCropFlip(Transform):
             "antialias": self.antialias, "reduced_decode": self.reduced_decode,
             "fastdct": self.fastdct, "fastupsample": self.fastupsample,
             "max_upscale": self.max_upscale,
+            **method_param(self.antialias, "cv2", self.antialias_method),
         }
 
     def reduction(self, crop_height: int, crop_width: int) -> int:
@@ -108,29 +120,54 @@ class DecodeCropFlip(Transform):
         return 1
 
     def __call__(self, sample: Sample, generator: torch.Generator | None = None) -> Sample:
+        crop, flip = self._crop(sample, generator)
+        out = resize_cv2(crop, self.size[0], self.size[1], self.antialias, self.antialias_method)
+        if flip:
+            out = flip_hwc(out)
+        return with_field(sample, self.out, out)
+
+    def batch_shape(self) -> tuple[int, int, int] | None:
+        """The (height, width, channels) of every output, if `into` can write it; else None."""
+        return (*self.size, 3) if self.mode == "RGB" else None
+
+    def into(self, sample: Sample, dst: np.ndarray, generator: torch.Generator | None = None,
+             scratch: np.ndarray | None = None) -> None:
+        """Write `self(sample, generator)[self.out]` into `dst`, a C-contiguous uint8 array of
+        shape `batch_shape()` (e.g. one sample of a batch tensor), bit for bit the same.
+
+        Saves the per-sample output array, the sample dict and collate's copy of each image
+        into the batch. A flipped image is resized into `scratch` (same shape as `dst`, reused
+        across samples) and mirrored into `dst`."""
+        crop, flip = self._crop(sample, generator)
+        target = dst
+        if flip:
+            target = scratch if scratch is not None else np.empty_like(dst)
+        resize_cv2(crop, self.size[0], self.size[1], self.antialias, self.antialias_method, dst=target)
+        if flip:
+            opencv().flip(target, 1, dst=dst)
+
+    def _crop(self, sample: Sample, generator: torch.Generator | None) -> tuple[np.ndarray, bool]:
+        """The crop to resize (a view of the decoded, possibly DCT-reduced image) and whether
+        to flip, drawn as `Compose([DecodeImage(), RandomResizedCrop, RandomHorizontalFlip])`
+        draws them."""
         data = image_bytes(get_field(sample, self.field, "DecodeCropFlip"), sample, self.field)
         header = _jpeg_size(data) if self.mode in ("RGB", "L") else None
         if header is None:  # not a JPEG (or not one simplejpeg reads): decode, then crop
             image = decode_field(data, sample, self.field, self.mode, "auto")
             height, width = image.shape[:2]
-            top, left, h, w = sample_crop_box(height, width, self.scale, self.ratio, generator)
-            flip = draw_flip(self.p, generator)
-            crop = image[top : top + h, left : left + w]
-        else:
-            height, width = header
-            top, left, h, w = sample_crop_box(height, width, self.scale, self.ratio, generator)
-            flip = draw_flip(self.p, generator)
-            k = self.reduction(h, w)
-            image = self._decode_jpeg(data, sample, k, height, width)
-            if image.shape[:2] == (height, width):
-                crop = image[top : top + h, left : left + w]
-            else:  # DCT-scaled by 1/k: reduced pixel j covers full-size pixels [j*k, j*k + k)
-                y0, x0, y1, x1 = snap_box((top, left, h, w), k, image.shape[0], image.shape[1])
-                crop = image[y0:y1, x0:x1]
-        out = resize_cv2(crop, self.size[0], self.size[1], self.antialias)
-        if flip:
-            out = flip_hwc(out)
-        return with_field(sample, self.out, out)
+            (top, left, h, w), flip = sample_crop_box_and_flip(
+                height, width, self.scale, self.ratio, self.p, generator)
+            return image[top : top + h, left : left + w], flip
+        height, width = header
+        (top, left, h, w), flip = sample_crop_box_and_flip(
+            height, width, self.scale, self.ratio, self.p, generator)
+        k = self.reduction(h, w)
+        image = self._decode_jpeg(data, sample, k, height, width)
+        if image.shape[:2] == (height, width):
+            return image[top : top + h, left : left + w], flip
+        # DCT-scaled by 1/k: reduced pixel j covers full-size pixels [j*k, j*k + k)
+        y0, x0, y1, x1 = snap_box((top, left, h, w), k, image.shape[0], image.shape[1])
+        return image[y0:y1, x0:x1], flip
 
     def _decode_jpeg(self, data: Any, sample: Sample, k: int, height: int, width: int) -> np.ndarray:
         opencv()  # configure OpenCV threads before the first resize in this process
