@@ -93,3 +93,62 @@ def test_producer_batch_does_not_depend_on_the_batch_it_shares(image_dataset):
     alone, _ = producer(BatchTask(1, 0, 0, np.array([9])))
     among, _ = producer(BatchTask(2, 0, 0, np.array([4, 30, 9, 12])))
     assert torch.equal(alone["image"][0], among["image"][2])
+
+
+@pytest.fixture(scope="module")
+def mixed_image_dataset(tmp_path_factory):
+    """JPEGs and a few PNGs (the fused transform's decode-then-crop branch), two fields."""
+    import cv2
+
+    out = tmp_path_factory.mktemp("batch-mixed")
+    samples = []
+    for i, s in enumerate(make_image_samples(30, min_size=24, max_size=64, seed=5)):
+        image = s["image"]
+        if i % 7 == 3:
+            decoded = cv2.imdecode(np.frombuffer(image, np.uint8), cv2.IMREAD_COLOR)
+            image = cv2.imencode(".png", decoded)[1].tobytes()
+        samples.append({"jpg": image, "label": s["label"], "name": f"s{i}"})
+    write_shards(iter(samples), str(out), shard_samples=11)
+    return Dataset(str(out))
+
+
+@pytest.mark.parametrize("transform", [
+    DecodeCropFlip(16, field="jpg", out="jpg"),
+    DecodeCropFlip(16, field="jpg", out="image"),  # a new field: it comes last, as in collate
+    DecodeCropFlip((12, 20), field="jpg", out="jpg", p=1.0, antialias_method="k-area"),
+    DecodeCropFlip(16, field="jpg", out="jpg", antialias=False, scale=(0.9, 1.0)),
+])
+def test_direct_batch_path_equals_per_sample_transforms_and_default_collate(mixed_image_dataset,
+                                                                            transform):
+    producer = BatchProducer(mixed_image_dataset, seed=3, transform=transform)
+    assert producer._direct is transform  # the direct path is the one under test
+    samples = np.array([29, 3, 10, 17, 3, 0, 24, 10])  # PNGs at 3, 10, 17, 24; repeats
+    batch, _ = producer(BatchTask(1, 2, 0, samples))
+    expected = _reference_batch(mixed_image_dataset, transform, 3, 2, samples, False)
+    assert list(batch) == list(expected)  # the same fields in the same order
+    assert_identical(batch, expected)
+    assert batch[transform.out].is_contiguous()
+
+
+def test_direct_path_is_taken_only_where_it_gives_the_same_batch():
+    from shardloader.loader.batches import direct_batch_transform
+    from shardloader.loader.collate import collate
+
+    class Subclass(DecodeCropFlip):
+        def __call__(self, sample, generator=None):
+            return super().__call__(sample, generator)
+
+    fused = DecodeCropFlip(16)
+    assert direct_batch_transform(fused, collate) is fused
+    assert direct_batch_transform(fused, lambda records: collate(records)) is None
+    assert direct_batch_transform(DecodeCropFlip(16, mode="L"), collate) is None
+    assert direct_batch_transform(Subclass(16), collate) is None
+    assert direct_batch_transform(Compose([fused, ToTensor()]), collate) is None
+
+
+def test_direct_path_falls_back_for_records_with_different_fields(image_dataset):
+    """Records whose fields differ go through the general path (and its collate's errors)."""
+    producer = BatchProducer(image_dataset, seed=1, transform=DecodeCropFlip(16))
+    records = image_dataset.get_many(np.array([1, 2]))
+    del records[1]["label"]
+    assert producer._direct_batch(BatchTask(1, 0, 0, np.array([1, 2])), records, np.array([1, 2])) is None

@@ -303,3 +303,63 @@ def test_last_indices_are_the_batches_index_field(dataset_dir):
     for _, batch in zip(range(3), loader):
         assert loader.last_indices.tolist() == batch["__index__"].tolist()
     loader.close()
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory):
+    from shardloader.synthetic import make_image_samples
+
+    out = tmp_path_factory.mktemp("loader-images")
+    write_shards(({"image": s["image"], "label": s["label"]}
+                  for s in make_image_samples(90, min_size=24, max_size=64, seed=2)),
+                 str(out), shard_samples=20)
+    return str(out)
+
+
+def general_collate(records):
+    """The default collate behind another function: the Loader then takes the general path
+    (a dict and an array per sample, then collate) instead of the direct batch path."""
+    from shardloader.loader.collate import collate
+
+    return collate(records)
+
+
+@pytest.mark.parametrize("workers,kind", [(0, "process"), (2, "process"), (2, "thread")])
+def test_direct_batch_path_gives_the_general_paths_batches(image_dir, workers, kind):
+    """DecodeCropFlip with the default collate builds images straight into the batch (in a
+    worker process: inside the shared-memory slot); the bytes are those of the per-sample
+    transform and collate, for any num_workers and worker type, and across epochs."""
+    from shardloader.transforms import DecodeCropFlip
+
+    def loader(**kw):
+        return Loader(Dataset(image_dir), batch_size=16, seed=4, shuffle=True,
+                      transform=DecodeCropFlip(20), persistent_workers=True, **kw)
+
+    reference = loader(collate_fn=general_collate)
+    expected = take(reference, 12)  # 6 batches per epoch: two epochs
+    fast = loader(num_workers=workers, worker_type=kind)
+    assert take(fast, 12) == expected
+    fast.close()
+    reference.close()
+
+
+def test_a_state_saved_with_the_k_area_antialias_resumes_only_into_it(image_dir):
+    """The 'adaptive' antialias method (the default) changes pixels: a state saved with the
+    earlier method ('k-area', whose version string is unchanged) is refused by a loader with
+    the new default, naming it, and resumes exactly into 'k-area'."""
+    from shardloader.transforms import DecodeCropFlip
+
+    def loader(**kw):
+        return Loader(Dataset(image_dir), batch_size=16, seed=4, shuffle=True,
+                      transform=DecodeCropFlip(20, **kw))
+
+    old = loader(antialias_method="k-area")
+    take(old, 2)
+    state = old.state_dict()
+    assert "antialias_method" not in state["fingerprint"]["transform_version"]
+    with pytest.raises(StateError, match=r"transform_version: saved .*max_upscale=1.0\)#impl1., "
+                                         r"now .*antialias_method='adaptive'\)#impl1."):
+        loader().load_state_dict(state)
+    resumed = loader(antialias_method="k-area")
+    resumed.load_state_dict(state)
+    assert take(resumed, 3) == take(old, 3)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from shardloader.loader import slots
 from shardloader.loader.slots import SlotReader, SlotWriter
 from tests.resume import assert_identical
 
@@ -92,3 +93,54 @@ def test_a_batch_without_tensors_travels_as_it_is(pair):
     packed = writer.pack(["a", 1, None])
     assert packed.slot is None
     assert reader.unpack(0, packed, wanted=True) == ["a", 1, None]
+
+
+def _built_in_slot(writer, batch_size=4):
+    """A batch whose image tensor was built where `allocate` put it, as the direct path does."""
+    images = writer.allocate((batch_size, 6, 5, 3), torch.uint8)
+    expected = {k: v for k, v in _batch(batch_size).items() if k not in ("array", "grad")}
+    images.copy_(expected["image"])
+    return {**expected, "image": images}, expected
+
+
+def test_a_tensor_built_in_a_slot_travels_without_a_copy_and_exactly(pair, monkeypatch):
+    writer, reader = pair
+    batch, expected = _built_in_slot(writer)
+    copied = []
+    real = slots._bytes_of
+    monkeypatch.setattr(slots, "_bytes_of", lambda t: (copied.append(t.shape), real(t))[1])
+    packed = writer.pack(batch)
+    assert packed.layout[0] == (0, (4, 6, 5, 3), torch.uint8)  # where it was built: offset 0
+    assert (4, 6, 5, 3) not in copied and copied  # the other tensors were copied in after it
+    monkeypatch.undo()
+    assert_identical(reader.unpack(0, packed, wanted=True), expected)
+    # The slot came back: the next allocation reuses it, nothing new is sent.
+    batch, expected = _built_in_slot(writer)
+    packed = writer.pack(batch)
+    assert packed.slot == 0 and not packed.new_slots
+    assert_identical(reader.unpack(0, packed, wanted=True), expected)
+
+
+def test_an_allocation_the_batch_does_not_use_is_given_back(pair):
+    writer, reader = pair
+    writer.allocate((1000,), torch.float32)  # the producer failed, or took another path
+    other = {"x": torch.arange(10)}
+    packed = writer.pack(other)
+    # The reserved slot's storage still reaches the reader (slot 0), and the batch may use it.
+    assert 0 in packed.new_slots
+    assert_identical(reader.unpack(0, packed, wanted=True), other)
+    writer.allocate((10,), torch.int64)
+    writer.allocate((10,), torch.int64)  # a second allocation gives the first back first
+    packed = writer.pack(["no tensors"])
+    assert reader.unpack(0, packed, wanted=True) == ["no tensors"]
+    assert torch.equal(reader.unpack(0, writer.pack(other), wanted=True)["x"], other["x"])
+
+
+def test_a_slot_too_small_for_the_rest_of_the_batch_falls_back_to_copying(pair):
+    writer, reader = pair
+    images = writer.allocate((16,), torch.uint8)
+    images.copy_(torch.arange(16, dtype=torch.uint8))
+    big = torch.arange(1 << 19, dtype=torch.int64)  # 4 MiB: more than the slot has left
+    packed = writer.pack({"image": images, "big": big})
+    out = reader.unpack(0, packed, wanted=True)
+    assert torch.equal(out["image"], torch.arange(16, dtype=torch.uint8)) and torch.equal(out["big"], big)

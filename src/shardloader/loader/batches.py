@@ -104,6 +104,9 @@ class BatchProducer:
     #: Set by a worker process to its id: `worker_init_fn(worker_id)` then runs before the
     #: process's first batch (inside the task, so a failure is reported with that batch).
     worker_id: int | None = None
+    #: Set by a worker process to its SlotWriter's `allocate`: the direct batch path then
+    #: builds the image tensor inside a shared-memory slot, which `pack` sends without a copy.
+    allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
 
     def __call__(self, task: BatchTask) -> tuple[Any, BatchTimings]:
         timings = BatchTimings()
@@ -182,7 +185,9 @@ class BatchProducer:
             return None
         keys = sample_keys(self.seed, task.epoch, samples)
         shape = transform.batch_shape()
-        images = torch.empty((len(records), *shape), dtype=torch.uint8)
+        batch_shape = (len(records), *shape)
+        images = (self.allocate(batch_shape, torch.uint8) if self.allocate is not None
+                  else torch.empty(batch_shape, dtype=torch.uint8))
         array = images.numpy()
         scratch = np.empty(shape, dtype=np.uint8)
         generator = torch.Generator()

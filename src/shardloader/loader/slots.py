@@ -17,6 +17,7 @@ stays in the structure and is pickled as before.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,8 @@ import torch
 
 _ALIGN = 64
 _MIN_SLOT_BYTES = 1 << 20
+#: Room `allocate` leaves after the reserved tensor for the batch's other tensors (labels...).
+_RESERVE_EXTRA = 64 << 10
 # dtypes whose bytes can be viewed as uint8 and rebuilt exactly
 _PLAIN_DTYPES = frozenset({
     torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -79,6 +82,10 @@ def _restore(value: Any, tensors: list[torch.Tensor]) -> Any:
     return value
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's bytes as a flat uint8 numpy view (the tensor must be contiguous)."""
     return tensor.reshape(-1).view(torch.uint8).numpy()
@@ -93,25 +100,79 @@ class SlotWriter:
         self._slots: dict[int, torch.Tensor] = {}  # id -> flat uint8 tensor on the storage
         self._free: list[int] = []
         self._next_id = 0
+        # allocate(): (slot, tensor made there, its new storage and retired ids, if any)
+        self._reserved: tuple[int, torch.Tensor, dict[int, torch.UntypedStorage], tuple[int, ...]] | None = None
+        # from reservations given back unused: still to be sent with the next batch
+        self._pending_new: dict[int, torch.UntypedStorage] = {}
+        self._pending_retired: tuple[int, ...] = ()
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous tensor at the start of a free slot, for the producer to
+        build the batch's largest tensor in place: `pack` then finds it there and does not
+        copy it (the other tensors go after it). Saves, per batch of 64 112 px images, a
+        2.4 MB private allocation (fresh pages each time) and its copy into the slot.
+        A reservation not used by the next `pack` goes back to the free slots."""
+        self._release_reserved()
+        nbytes = _aligned(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+        slot, new_slots, retired = self._take(nbytes + _RESERVE_EXTRA)
+        tensor = self._slots[slot][:nbytes].view(dtype)[:math.prod(shape)].view(shape)
+        self._reserved = (slot, tensor, new_slots, retired)
+        return tensor
+
+    def _release_reserved(self) -> None:
+        """Give an unused reservation's slot back; the new storage and retired ids it made must
+        still reach the loader, with the next batch."""
+        if self._reserved is None:
+            return
+        slot, _, new_slots, retired = self._reserved
+        self._reserved = None
+        self._free.append(slot)
+        self._pending_new.update(new_slots)
+        self._pending_retired += retired
 
     def pack(self, batch: Any) -> Packed:
         tensors: list[torch.Tensor] = []
         structure = _extract(batch, tensors)
+        reserved, self._reserved = self._reserved, None
+        placed = -1  # index of the tensor already in the reserved slot at offset 0
+        if reserved is not None:
+            placed = next((i for i, t in enumerate(tensors) if t is reserved[1]), -1)
+            if placed < 0:  # not in this batch: the slot is free again
+                self._reserved = reserved
+                self._release_reserved()
         if not tensors:
-            return Packed(batch, None, (), {}, ())
+            return self._with_pending(Packed(batch, None, (), {}, ()))
         tensors = [t.contiguous() for t in tensors]
-        layout = []
+        order = ([placed] if placed >= 0 else []) + [i for i in range(len(tensors)) if i != placed]
+        starts = [0] * len(tensors)
         offset = 0
-        for t in tensors:
-            layout.append((offset, tuple(t.shape), t.dtype))
-            offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-        slot, new_slots, retired = self._take(offset)
+        for i in order:
+            starts[i] = offset
+            offset += _aligned(tensors[i].numel() * tensors[i].element_size())
+        layout = [(starts[i], tuple(t.shape), t.dtype) for i, t in enumerate(tensors)]
+        if placed >= 0 and self._slots[reserved[0]].numel() >= offset:
+            slot, new_slots, retired = reserved[0], reserved[2], reserved[3]
+        else:
+            if placed >= 0:  # the rest does not fit after it: copy all into a larger slot
+                self._reserved = reserved
+                self._release_reserved()
+                placed = -1
+            slot, new_slots, retired = self._take(offset)
         buffer = self._slots[slot].numpy()
-        for (start, _, _), t in zip(layout, tensors):
-            if t.numel():
+        for i, ((start, _, _), t) in enumerate(zip(layout, tensors)):
+            if t.numel() and i != placed:
                 data = _bytes_of(t)
                 buffer[start:start + data.size] = data
-        return Packed(structure, slot, tuple(layout), new_slots, retired)
+        return self._with_pending(Packed(structure, slot, tuple(layout), new_slots, retired))
+
+    def _with_pending(self, packed: Packed) -> Packed:
+        """`packed` carrying also the slots made (or retired) by reservations never used."""
+        if not self._pending_new and not self._pending_retired:
+            return packed
+        new_slots = {**self._pending_new, **packed.new_slots}
+        retired = self._pending_retired + packed.retired
+        self._pending_new, self._pending_retired = {}, ()
+        return Packed(packed.structure, packed.slot, packed.layout, new_slots, retired)
 
     def _take(self, nbytes: int) -> tuple[int, dict[int, torch.UntypedStorage], tuple[int, ...]]:
         while not self._returned.empty():

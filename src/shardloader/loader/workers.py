@@ -156,6 +156,7 @@ def _worker_main(worker_id: int, producer: BatchProducer, tasks: Any, results: A
     except ImportError:  # pragma: no cover - opencv is a dependency
         pass
     writer = SlotWriter(returned_slots)
+    producer.allocate = writer.allocate  # the direct batch path builds images in a slot
     while True:
         try:
             task = tasks.get()
