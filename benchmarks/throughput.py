@@ -29,6 +29,13 @@ Reference figures from the issue (same work, this machine, 2 workers): FFCV 6,90
 first batch well under a second, at least 0.7 of the limit.
 
     .venv/bin/python -m benchmarks.throughput [--n 20000] [--epochs 3] [--only shardloader]
+    .venv/bin/python -m benchmarks.throughput --fast-path [--n 6000] [--epochs 3]
+        [--worker-types process thread] [--transforms fused fused-k-area fused-linear]
+
+`--fast-path` measures only shardloader's own fast path against the stack's limit in the same
+run (issue 14's figures: samples/s, CPU s per 1k samples over the process tree, fraction of the
+limit with and without antialias, stall at 80% load); `fast_path()` / `report_fast_path()` are
+the functions behind it, for a consolidated run.
 """
 
 from __future__ import annotations
@@ -87,10 +94,18 @@ def pil_crop_flip(data: bytes) -> np.ndarray:
     return np.asarray(out)
 
 
-def fused(antialias: bool = True) -> Any:
+def fused(antialias: bool = True, method: str | None = None) -> Any:
     from shardloader.transforms import DecodeCropFlip
 
-    return DecodeCropFlip(SIZE, SCALE, RATIO, antialias=antialias)
+    extra = {} if method is None else {"antialias_method": method}
+    return DecodeCropFlip(SIZE, SCALE, RATIO, antialias=antialias, **extra)
+
+
+def make_transform(kind: str) -> Any:
+    """The DecodeCropFlip of a `TRANSFORMS` kind (None for "pil")."""
+    if kind == "pil":
+        return None
+    return fused(kind != "fused-linear", "k-area" if kind == "fused-k-area" else None)
 
 
 class BytesTransform:
@@ -99,7 +114,7 @@ class BytesTransform:
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
-        self.t = None if kind == "pil" else fused(kind == "fused")
+        self.t = make_transform(kind)
 
     def __call__(self, data: bytes) -> np.ndarray:
         if self.t is None:
@@ -108,7 +123,8 @@ class BytesTransform:
 
 
 TRANSFORMS = {
-    "fused": "DecodeCropFlip (antialiased, default)",
+    "fused": "DecodeCropFlip (antialiased, default: antialias_method='adaptive')",
+    "fused-k-area": "DecodeCropFlip(antialias_method='k-area') (the antialias before 'adaptive')",
     "fused-linear": "DecodeCropFlip(antialias=False)",
     "pil": "PIL decode + resize (torchvision-style)",
 }
@@ -127,7 +143,7 @@ def limit_rate(kind: str, blobs: list[bytes]) -> tuple[float, float]:
     torch.set_num_threads(1)
     saved = torch.random.get_rng_state()
     g = torch.Generator()
-    t = None if kind == "pil" else fused(kind == "fused")
+    t = make_transform(kind)
     cpu0, wall0 = time.process_time(), time.perf_counter()
     if t is None:
         for data in blobs:
@@ -194,7 +210,7 @@ def shardloader_config(images: ImageSet, worker_type: str, transform: str) -> Co
     from shardloader import Dataset, Loader
 
     def build() -> Any:
-        t = pil_sample_transform if transform == "pil" else fused(transform == "fused")
+        t = pil_sample_transform if transform == "pil" else make_transform(transform)
         return Loader(Dataset(images.arrow_dir), batch_size=BATCH, num_workers=WORKERS,
                       worker_type=worker_type, transform=t, seed=0, shuffle=True,
                       persistent_workers=True)
@@ -362,6 +378,140 @@ def run(n: int, epochs: int, ttfb_repeats: int, only: list[str] | None, limit_sa
     }
 
 
+# -- the fast path alone (issue 14): samples/s, CPU per sample, fraction of the stack's limit ----
+
+ISSUE_FFCV_RATE = 5_313.0  # FFCV on this work, 2 workers (issue 14); peers.py measures it live
+ISSUE_FFCV_CPU_S_PER_1K = 0.36
+FAST_GOAL_RATIO_TO_LIMIT = 0.85
+FAST_GOAL_STALL = 0.02
+LIMIT_KINDS = ("fused", "fused-k-area", "fused-linear")
+
+
+def measure_stall(loader: Any, rate: float, batches: int, work_factor: float = 1.25) -> dict[str, float]:
+    """A consumer that works (sleeps) `work_factor` x the loader's per-batch time (at 1.25:
+    80% of its capacity) for `batches` batches: the fraction of wall time spent in next(), and
+    next()'s median (the training thread's own work per batch when the batch is ready)."""
+    work = work_factor * BATCH / rate
+    it = iter(loader)
+    for _ in range(3):  # the pipeline fills
+        next(it)
+    waits = []
+    start = time.perf_counter()
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        try:
+            next(it)
+        except StopIteration:
+            break
+        waits.append(time.perf_counter() - t0)
+        time.sleep(work)
+    wall = time.perf_counter() - start
+    del it
+    return {"stall": sum(waits) / wall, "next_median_ms": 1e3 * median(waits),
+            "next_max_ms": 1e3 * max(waits), "batches": len(waits)}
+
+
+def fast_path(n: int = 20_000, rounds: int = 3, worker_types: Iterable[str] = ("process", "thread"),
+              transforms: Iterable[str] = ("fused",), limit_samples: int = 2000,
+              stall_batches: int = 150, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """shardloader's own fast path on the standard work, measured against the stack's limit in
+    the same run: for each round, the plain-loop limit of every `LIMIT_KINDS` transform (one
+    core, times the cores), then one epoch of each (worker type, transform) Loader (persistent
+    workers, built once). Then a stall test of each Loader (after the rounds, one at a time).
+
+    Returns per configuration the per-round samples/s, CPU seconds per 1k samples (this
+    process and all its children: training process + workers), ratio to the round's limit of
+    the same transform; the limits; and the stall. For `benchmarks/peers.py` or `run_all`:
+    `report_fast_path(fast_path(...))` gives the table."""
+    images = prepare_images(n, log=log)
+    cores = os.cpu_count() or 1
+    blobs = [images.read_jpeg(i) for i in range(min(limit_samples, n))]
+    kinds = list(dict.fromkeys([*LIMIT_KINDS, *transforms]))
+    for kind in kinds:
+        limit_rate(kind, blobs[:100])  # imports, OpenCV init
+    configs = [shardloader_config(images, wt, kind) for wt in worker_types for kind in transforms]
+    loads = [load_average()]
+    limits: dict[str, list[float]] = {k: [] for k in kinds}
+    for c in configs:
+        c.loader = c.build()
+        c.expected = n
+        run_epoch(c)  # warm-up epoch: workers started, pages cached
+    for r in range(rounds):
+        round_limits = {}
+        for kind in kinds:
+            round_limits[kind] = limit_rate(kind, blobs)[0] * cores
+            limits[kind].append(round_limits[kind])
+        for c in configs:
+            rate, cpu_per_sample = run_epoch(c)
+            c.rates.append(rate)
+            c.cpu_per_sample.append(cpu_per_sample)
+            c.ratios.append(rate / round_limits[c.transform])
+        log(f"  round {r}: limits " + ", ".join(f"{k} {v:,.0f}" for k, v in round_limits.items())
+            + "; " + ", ".join(f"{c.name}/{c.transform} {c.rates[-1]:,.0f}" for c in configs))
+    stalls = {}
+    for c in configs:
+        stalls[c.name, c.transform] = measure_stall(c.loader, median(c.rates), stall_batches)
+        c.close(c.loader)
+        c.loader = None
+    loads.append(load_average())
+    return {
+        "images": describe(images), "machine": machine(), "load": loads, "rounds": rounds,
+        "cores": cores, "limits": limits,
+        "configs": [{"name": c.name, "transform": c.transform, "rates": c.rates,
+                     "cpu_s_per_1k": [1e3 * x for x in c.cpu_per_sample],
+                     "ratios_to_limit": c.ratios, **stalls[c.name, c.transform]}
+                    for c in configs],
+    }
+
+
+def report_fast_path(results: dict[str, Any]) -> str:
+    cores = results["cores"]
+    lines = [
+        f"# shardloader fast path: decode + RandomResizedCrop({SIZE}) + flip, batch {BATCH}, "
+        f"{WORKERS} workers",
+        f"{results['images']}; {results['machine']}",
+        f"{results['load'][0]} before, {results['load'][1]} after; medians of "
+        f"{results['rounds']} rounds (limits and loaders interleaved per round)",
+        "",
+    ]
+    rows = []
+    for kind, values in results["limits"].items():
+        rows.append([f"limit: plain loop, 1 core x {cores}", kind, median(values), spread(values),
+                     cores / median(values) * 1e3, 1.0, 1.0, "-", "-", "-"])
+    for c in results["configs"]:
+        limit_cpu = cores / median(results["limits"][c["transform"]]) * 1e3
+        rows.append([c["name"], c["transform"], median(c["rates"]), spread(c["rates"]),
+                     median(c["cpu_s_per_1k"]), median(c["ratios_to_limit"]),
+                     limit_cpu / median(c["cpu_s_per_1k"]),
+                     median(c["rates"]) / ISSUE_FFCV_RATE, f"{c['stall']:.1%}",
+                     c["next_median_ms"]])
+    lines.append(table(["loader", "transform", "samples/s", "range", "CPU s / 1k samples",
+                        "x limit", "CPU efficiency", "x FFCV (issue: 5,313)", "stall at 80%",
+                        "next() median ms"], rows))
+    lines.append("")
+    lines.append(
+        "limit = samples per CPU second of the transform in a plain loop on one core x cores, "
+        "measured every round; CPU s / 1k = CPU time of the training process and its workers "
+        f"per 1,000 delivered samples (FFCV in the issue: {ISSUE_FFCV_CPU_S_PER_1K}); CPU "
+        "efficiency = the plain loop's CPU per sample / the loader's: what x limit reaches on a "
+        "machine nobody else loads (samples/s moves with other processes' load, this hardly); "
+        "stall = "
+        "time in next() / wall time with a consumer sleeping 1.25x the loader's per-batch time. "
+        "Transforms: " + "; ".join(f"{k} = {TRANSFORMS[k]}" for k in results["limits"]) + ".")
+    best = max(results["configs"], key=lambda c: median(c["rates"]), default=None)
+    if best is not None:
+        ratio = median(best["ratios_to_limit"])
+        cpu = median(best["cpu_s_per_1k"])
+        lines.append("")
+        lines.append(
+            f"Goals (best: {best['name']} / {best['transform']}): {median(best['rates']):,.0f} "
+            f"samples/s = {median(best['rates']) / ISSUE_FFCV_RATE:.2f}x the issue's FFCV "
+            f"(goal 1.2); CPU {cpu:.3f} s/1k (goal <= FFCV's, issue {ISSUE_FFCV_CPU_S_PER_1K}); "
+            f"{ratio:.2f} of the limit (goal {FAST_GOAL_RATIO_TO_LIMIT}); stall "
+            f"{best['stall']:.1%} (goal <= {FAST_GOAL_STALL:.0%}).")
+    return "\n".join(lines)
+
+
 # -- reporting ---------------------------------------------------------------------------------
 
 
@@ -453,7 +603,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=["shardloader", "torch", "webdataset"],
                         help="measure only these loader groups")
     parser.add_argument("--json", help="also write the raw results here")
+    parser.add_argument("--fast-path", action="store_true",
+                        help="only shardloader's fast path against the stack's limit, with CPU "
+                             "per sample and the stall (issue 14's figures)")
+    parser.add_argument("--worker-types", nargs="*", default=["process", "thread"])
+    parser.add_argument("--transforms", nargs="*", default=["fused"], choices=list(TRANSFORMS))
     args = parser.parse_args(argv)
+    if args.fast_path:
+        results = fast_path(args.n, args.epochs, args.worker_types, args.transforms,
+                            args.limit_samples)
+        print()
+        print(report_fast_path(results))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1)
+        return 0
     results = run(args.n, args.epochs, args.ttfb_repeats, args.only, args.limit_samples)
     print()
     print(report(results))
