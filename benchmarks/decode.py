@@ -9,7 +9,11 @@ Compares, in one process on one thread (OpenCV and torch set to 1 thread):
                    + RandomHorizontalFlip
 * cv2-area         simplejpeg + crop + cv2.resize INTER_AREA when downscaling + flip
 * cv2-antialias    DecodeImage + RandomResizedCrop(antialias=True) + RandomHorizontalFlip
-* fused            DecodeCropFlip (reduced DCT decode when the crop allows, antialias=True)
+                   (antialias_method="adaptive", the default)
+* cv2-k-area       the same with antialias_method="k-area" (the method before "adaptive")
+* fused            DecodeCropFlip (reduced DCT decode when the crop allows, antialias=True,
+                   antialias_method="adaptive")
+* fused-k-area     DecodeCropFlip(antialias_method="k-area")
 * fused-linear     DecodeCropFlip(antialias=False)
 * fused-fast       DecodeCropFlip(fastdct=True, fastupsample=True)
 * fused-up1.5      DecodeCropFlip(max_upscale=1.5): reduced decode also when the reduced crop
@@ -92,10 +96,10 @@ def transform_method(transform: Callable[..., dict[str, Any]]) -> Callable[[dict
 
 
 def methods(size: int) -> dict[str, Callable[[dict[str, Any], torch.Generator], np.ndarray]]:
-    def compose(antialias: bool) -> Compose:
+    def compose(antialias: bool, method: str = "adaptive") -> Compose:
         return Compose([
             DecodeImage(),
-            RandomResizedCrop(size, SCALE, RATIO, antialias=antialias),
+            RandomResizedCrop(size, SCALE, RATIO, antialias=antialias, antialias_method=method),
             RandomHorizontalFlip(0.5),
         ])
 
@@ -104,7 +108,9 @@ def methods(size: int) -> dict[str, Callable[[dict[str, Any], torch.Generator], 
         "cv2-linear": transform_method(compose(antialias=False)),
         "cv2-area": cv2_area_method(size),
         "cv2-antialias": transform_method(compose(antialias=True)),
+        "cv2-k-area": transform_method(compose(antialias=True, method="k-area")),
         "fused": transform_method(DecodeCropFlip(size, SCALE, RATIO)),
+        "fused-k-area": transform_method(DecodeCropFlip(size, SCALE, RATIO, antialias_method="k-area")),
         "fused-linear": transform_method(DecodeCropFlip(size, SCALE, RATIO, antialias=False)),
         "fused-fast": transform_method(
             DecodeCropFlip(size, SCALE, RATIO, fastdct=True, fastupsample=True)

@@ -413,7 +413,8 @@ def measure_stall(loader: Any, rate: float, batches: int, work_factor: float = 1
 
 def fast_path(n: int = 20_000, rounds: int = 3, worker_types: Iterable[str] = ("process", "thread"),
               transforms: Iterable[str] = ("fused",), limit_samples: int = 2000,
-              stall_batches: int = 150, log: Callable[[str], None] = print) -> dict[str, Any]:
+              stall_batches: int = 150, limit_kinds: Iterable[str] = LIMIT_KINDS,
+              log: Callable[[str], None] = print) -> dict[str, Any]:
     """shardloader's own fast path on the standard work, measured against the stack's limit in
     the same run: for each round, the plain-loop limit of every `LIMIT_KINDS` transform (one
     core, times the cores), then one epoch of each (worker type, transform) Loader (persistent
@@ -426,7 +427,7 @@ def fast_path(n: int = 20_000, rounds: int = 3, worker_types: Iterable[str] = ("
     images = prepare_images(n, log=log)
     cores = os.cpu_count() or 1
     blobs = [images.read_jpeg(i) for i in range(min(limit_samples, n))]
-    kinds = list(dict.fromkeys([*LIMIT_KINDS, *transforms]))
+    kinds = list(dict.fromkeys([*limit_kinds, *transforms]))
     for kind in kinds:
         limit_rate(kind, blobs[:100])  # imports, OpenCV init
     configs = [shardloader_config(images, wt, kind) for wt in worker_types for kind in transforms]
@@ -608,10 +609,13 @@ def main(argv: list[str] | None = None) -> int:
                              "per sample and the stall (issue 14's figures)")
     parser.add_argument("--worker-types", nargs="*", default=["process", "thread"])
     parser.add_argument("--transforms", nargs="*", default=["fused"], choices=list(TRANSFORMS))
+    parser.add_argument("--limit-kinds", nargs="*", default=list(LIMIT_KINDS), choices=list(TRANSFORMS),
+                        help="transforms whose plain-loop limit is measured (--fast-path)")
+    parser.add_argument("--stall-batches", type=int, default=150)
     args = parser.parse_args(argv)
     if args.fast_path:
         results = fast_path(args.n, args.epochs, args.worker_types, args.transforms,
-                            args.limit_samples)
+                            args.limit_samples, args.stall_batches, args.limit_kinds)
         print()
         print(report_fast_path(results))
         if args.json:
