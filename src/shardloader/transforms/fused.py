@@ -144,7 +144,9 @@ class DecodeCropFlip(Transform):
             target = scratch if scratch is not None else np.empty_like(dst)
         resize_cv2(crop, self.size[0], self.size[1], self.antialias, self.antialias_method, dst=target)
         if flip:
-            opencv().flip(target, 1, dst=dst)
+            out = opencv().flip(target, 1, dst=dst)
+            if out is not dst and not np.may_share_memory(out, dst):  # OpenCV reallocated
+                np.copyto(dst, out)
 
     def _crop(self, sample: Sample, generator: torch.Generator | None) -> tuple[np.ndarray, bool]:
         """The crop to resize (a view of the decoded, possibly DCT-reduced image) and whether

@@ -205,7 +205,7 @@ def _cv2_resize(cv2: Any, image: np.ndarray, width: int, height: int, interpolat
             return dst
         return out
     out = cv2.resize(image, (width, height), dst=dst, interpolation=interpolation)
-    if out is not dst:  # OpenCV reallocated (it should not for a matching dst): copy the bytes
+    if out is not dst and not np.may_share_memory(out, dst):  # OpenCV reallocated: copy
         np.copyto(dst, out)
     return dst
 
