@@ -117,17 +117,19 @@ def mixed_image_dataset(tmp_path_factory):
     DecodeCropFlip(16, field="jpg", out="image"),  # a new field: it comes last, as in collate
     DecodeCropFlip((12, 20), field="jpg", out="jpg", p=1.0, antialias_method="k-area"),
     DecodeCropFlip(16, field="jpg", out="jpg", antialias=False, scale=(0.9, 1.0)),
+    Compose([DecodeCropFlip((12, 20), field="jpg", out="x"), ToTensor(field="x")]),  # CHW
 ])
 def test_direct_batch_path_equals_per_sample_transforms_and_default_collate(mixed_image_dataset,
                                                                             transform):
     producer = BatchProducer(mixed_image_dataset, seed=3, transform=transform)
-    assert producer._direct is transform  # the direct path is the one under test
+    assert producer._direct is not None  # the direct path is the one under test
     samples = np.array([29, 3, 10, 17, 3, 0, 24, 10])  # PNGs at 3, 10, 17, 24; repeats
     batch, _ = producer(BatchTask(1, 2, 0, samples))
     expected = _reference_batch(mixed_image_dataset, transform, 3, 2, samples, False)
     assert list(batch) == list(expected)  # the same fields in the same order
     assert_identical(batch, expected)
-    assert batch[transform.out].is_contiguous()
+    out = transform.out if isinstance(transform, DecodeCropFlip) else "x"
+    assert batch[out].is_contiguous()
 
 
 def test_direct_path_is_taken_only_where_it_gives_the_same_batch():
@@ -139,11 +141,15 @@ def test_direct_path_is_taken_only_where_it_gives_the_same_batch():
             return super().__call__(sample, generator)
 
     fused = DecodeCropFlip(16)
-    assert direct_batch_transform(fused, collate) is fused
+    assert direct_batch_transform(fused, collate) == (fused, False)
+    assert direct_batch_transform(Compose([fused, ToTensor()]), collate) == (fused, True)
     assert direct_batch_transform(fused, lambda records: collate(records)) is None
     assert direct_batch_transform(DecodeCropFlip(16, mode="L"), collate) is None
     assert direct_batch_transform(Subclass(16), collate) is None
-    assert direct_batch_transform(Compose([fused, ToTensor()]), collate) is None
+    assert direct_batch_transform(Compose([fused, ToTensor(torch.float32)]), collate) is None
+    assert direct_batch_transform(Compose([fused, ToTensor(field="other")]), collate) is None
+    assert direct_batch_transform(Compose([ToTensor(), fused]), collate) is None
+    assert direct_batch_transform(Compose([fused, ToTensor(), ToTensor()]), collate) is None
 
 
 def test_direct_path_falls_back_for_records_with_different_fields(image_dataset):

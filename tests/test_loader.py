@@ -324,16 +324,19 @@ def general_collate(records):
     return collate(records)
 
 
-@pytest.mark.parametrize("workers,kind", [(0, "process"), (2, "process"), (2, "thread")])
-def test_direct_batch_path_gives_the_general_paths_batches(image_dir, workers, kind):
-    """DecodeCropFlip with the default collate builds images straight into the batch (in a
-    worker process: inside the shared-memory slot); the bytes are those of the per-sample
-    transform and collate, for any num_workers and worker type, and across epochs."""
-    from shardloader.transforms import DecodeCropFlip
+@pytest.mark.parametrize("workers,kind,chw", [(0, "process", False), (2, "process", False),
+                                             (2, "thread", False), (2, "process", True)])
+def test_direct_batch_path_gives_the_general_paths_batches(image_dir, workers, kind, chw):
+    """DecodeCropFlip (alone or followed by ToTensor) with the default collate builds images
+    straight into the batch (in a worker process: inside the shared-memory slot); the bytes
+    are those of the per-sample transform and collate, for any num_workers and worker type,
+    and across epochs."""
+    from shardloader.transforms import Compose, DecodeCropFlip, ToTensor
 
     def loader(**kw):
+        transform = Compose([DecodeCropFlip(20), ToTensor()]) if chw else DecodeCropFlip(20)
         return Loader(Dataset(image_dir), batch_size=16, seed=4, shuffle=True,
-                      transform=DecodeCropFlip(20), persistent_workers=True, **kw)
+                      transform=transform, persistent_workers=True, **kw)
 
     reference = loader(collate_fn=general_collate)
     expected = take(reference, 12)  # 6 batches per epoch: two epochs
