@@ -332,6 +332,13 @@ def litdata_peer(images: ImageSet, work: str = "fast", remote: Remote | None = N
     where = ({"input_dir": prepare_litdata(images)} if remote is None
              else {"input_dir": remote.s3.url("litdata"), "cache_dir": remote.cache_dir,
                    "storage_options": remote.s3.boto_options()})
+    if remote is not None and remote.s3.endpoint.startswith("http://"):
+        # litdata fetches chunks with obstore, whose client refuses plain http unless told
+        # (a real S3 endpoint is https); storage_options reach only boto3, so the loopback
+        # server is allowed in litdata's obstore client options (inherited by forked workers).
+        from litdata.streaming import downloader
+
+        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
 
     class LitImages(litdata.StreamingDataset):
         def __init__(self) -> None:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -275,6 +276,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
 
         remote = peers.Remote(S3Endpoint(spec["endpoint"]), spec["cache_dir"])
     peer = CONTENDERS[spec["column"]].factory(images, "fast", **({"remote": remote} if remote else {}))
+    peers.Augment("fast")(images.read_jpeg(0))  # the decoder's imports, as in a training script
     start = time.perf_counter()
     loader = peer.make()
     it = iter(loader)
@@ -313,12 +315,19 @@ def run_child(spec: dict[str, Any], env: dict[str, str] | None = None, timeout: 
         peak = sampler.stop() if sampler else None
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        tail = stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
-        raise RuntimeError(tail[0][:200])
+        raise RuntimeError(_last_error(stderr) or f"exit {proc.returncode}")
     out = json.loads(lines[-1])
     if peak is not None:
         out.update(rss=peak.rss, pss=peak.pss, processes=peak.processes)
     return out
+
+
+def _last_error(stderr: str) -> str:
+    """The last `SomeError: message` line of a traceback (a chained one's message may span
+    lines after it), else the last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]+(Error|Exception|Exit)\b.*:", line)]
+    return (errors or lines or [""])[-1][:240]
 
 
 def isolated(images: ImageSet, columns: list[str], repeats: int, why: dict[tuple[str, str], str],
