@@ -12,14 +12,16 @@ Same JPEGs (`benchmarks/_images.py`), same work per sample (shardloader's `Decod
 * litdata `StreamingDataset` + `StreamingDataLoader` (litdata's chunks),
 * FFCV, where installed (its .beton file; RandomResizedCrop + flip in its own pipeline).
 
-Optional peers that are not installed print "not installed" rows; install them into a separate
-venv (they pin versions the main one must not take):
+Optional peers that are not installed print "not installed" rows; they live in a separate venv
+(they pin versions the main one must not take), which `make bench-setup` builds (FFCV too where
+`apt-get install -y libturbojpeg0-dev libopencv-dev pkg-config` has been done):
 
-    python3 -m venv .venv-bench && .venv-bench/bin/python -m pip install -U pip
-    .venv-bench/bin/pip install -c constraints.txt -e '.[test,bench]'   # (pip 23 cannot resolve it)
-    apt-get install -y libturbojpeg0-dev libopencv-dev pkg-config       # FFCV, optional
-    .venv-bench/bin/pip install -c constraints.txt ffcv
+    make bench-setup
     .venv-bench/bin/python -m benchmarks.peers          # about 4 minutes on 2 cores
+
+The adapters below also serve `benchmarks/speed.py` (issue 14's table): each takes the per-sample
+`work` ("fast": DecodeCropFlip; "pil": the PIL transform of benchmarks/throughput.py), and the
+ones that can read S3 take a `Remote` (an S3 endpoint and an empty cache folder).
 
 mosaicml-streaming imports torchvision (for its vision datasets, unused here); PyPI's torchvision
 wheels are CUDA builds that do not load against the CPU torch, so `import_streaming` stubs that
