@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 from benchmarks._common import _children
 
@@ -35,31 +34,34 @@ def tree_pids(root: int) -> list[int]:
     return seen
 
 
-def process_memory(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) of one process in bytes, from /proc/<pid>/smaps_rollup; (0, 0) when it is
-    gone (or is a zombie, whose rollup is empty)."""
-    rss = pss = 0
+_FIELDS = {"Rss:": "rss", "Pss:": "pss", "Pss_Anon:": "pss_anon"}
+
+
+def process_memory(pid: int) -> dict[str, int]:
+    """{"rss", "pss", "pss_anon"} of one process in bytes, from /proc/<pid>/smaps_rollup; zeros
+    when it is gone (or is a zombie, whose rollup is empty). `pss_anon` is the part of PSS
+    that is not file-backed (heap, arrays): mapped files such as memory-mapped shards count in
+    RSS and PSS but are page cache the kernel can drop."""
+    out = dict.fromkeys(_FIELDS.values(), 0)
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
-                if line.startswith("Rss:"):
-                    rss = int(line.split()[1]) * 1024
-                elif line.startswith("Pss:"):
-                    pss = int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return 0, 0
-    return rss, pss
+                key = _FIELDS.get(line.split(maxsplit=1)[0])
+                if key:
+                    out[key] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return dict.fromkeys(_FIELDS.values(), 0)
+    return out
 
 
-def tree_memory(root: int) -> tuple[int, int, int]:
-    """(RSS, PSS, processes) summed over `root` and its descendants now."""
+def tree_memory(root: int) -> dict[str, int]:
+    """{"rss", "pss", "pss_anon", "processes"} summed over `root` and its descendants now."""
     pids = tree_pids(root)
-    rss = pss = 0
+    total = dict.fromkeys(_FIELDS.values(), 0)
     for pid in pids:
-        r, p = process_memory(pid)
-        rss += r
-        pss += p
-    return rss, pss, len(pids)
+        for key, value in process_memory(pid).items():
+            total[key] += value
+    return {**total, "processes": len(pids)}
 
 
 @dataclass
@@ -68,12 +70,9 @@ class Peak:
 
     rss: int = 0
     pss: int = 0
+    pss_anon: int = 0
     processes: int = 0
     samples: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"rss": self.rss, "pss": self.pss, "processes": self.processes,
-                "samples": self.samples}
 
 
 class PeakMemory:
@@ -97,9 +96,9 @@ class PeakMemory:
                 return
 
     def sample(self) -> None:
-        rss, pss, n = tree_memory(self.root)
-        r = self.result
-        r.rss, r.pss, r.processes = max(r.rss, rss), max(r.pss, pss), max(r.processes, n)
+        now, r = tree_memory(self.root), self.result
+        r.rss, r.pss = max(r.rss, now["rss"]), max(r.pss, now["pss"])
+        r.pss_anon, r.processes = max(r.pss_anon, now["pss_anon"]), max(r.processes, now["processes"])
         r.samples += 1
 
     def start(self) -> PeakMemory:

@@ -318,7 +318,7 @@ def run_child(spec: dict[str, Any], env: dict[str, str] | None = None, timeout: 
         raise RuntimeError(_last_error(stderr) or f"exit {proc.returncode}")
     out = json.loads(lines[-1])
     if peak is not None:
-        out.update(rss=peak.rss, pss=peak.pss, processes=peak.processes)
+        out.update(rss=peak.rss, pss=peak.pss, pss_anon=peak.pss_anon, processes=peak.processes)
     return out
 
 
@@ -347,10 +347,12 @@ def isolated(images: ImageSet, columns: list[str], repeats: int, why: dict[tuple
             entry = out.setdefault(column, {"ttfb": []})
             entry["ttfb"].append(got["ttfb"])
             if r == 0:
-                entry.update({k: got[k] for k in ("cpu_per_sample", "rss", "pss", "processes")})
+                entry.update({k: got[k] for k in ("cpu_per_sample", "rss", "pss", "pss_anon",
+                                                  "processes")})
             log(f"  {column}: first batch {got['ttfb']:.2f} s" + (
                 f", {got['cpu_per_sample'] * 1000:.2f} CPU s / 1k samples, peak RSS "
-                f"{got['rss'] / MB:,.0f} MB, PSS {got['pss'] / MB:,.0f} MB over "
+                f"{got['rss'] / MB:,.0f} MB, PSS {got['pss'] / MB:,.0f} MB (anonymous "
+                f"{got['pss_anon'] / MB:,.0f} MB) over "
                 f"{got['processes']} processes" if r == 0 else ""))
     return out
 

@@ -55,14 +55,16 @@ def test_the_tree_is_the_process_and_its_descendants(tree):
 
 def test_memory_sums_over_the_tree(tree):
     proc, (parent, child) = tree
-    rss_parent, pss_parent = process_memory(parent)
-    rss_child, pss_child = process_memory(child)
-    assert rss_parent >= 96 * MiB and rss_child >= 48 * MiB
-    assert 0 < pss_parent <= rss_parent and 0 < pss_child <= rss_child
-    assert pss_parent >= 96 * MiB  # the written block is private: all of it counts in PSS
-    rss, pss, n = tree_memory(proc.pid)
-    assert n == 2
-    assert rss >= 144 * MiB and pss >= 144 * MiB
+    p, c = process_memory(parent), process_memory(child)
+    assert p["rss"] >= 96 * MiB and c["rss"] >= 48 * MiB
+    assert 0 < p["pss"] <= p["rss"] and 0 < c["pss"] <= c["rss"]
+    # the written block is private and anonymous: all of it counts in PSS and in its anon part
+    assert p["pss_anon"] >= 96 * MiB and c["pss_anon"] >= 48 * MiB
+    assert p["pss_anon"] <= p["pss"]
+    total = tree_memory(proc.pid)
+    assert total["processes"] == 2
+    assert total["rss"] >= 144 * MiB and total["pss"] >= 144 * MiB
+    assert total["rss"] == pytest.approx(p["rss"] + c["rss"], rel=0.05)
 
 
 def test_the_peak_holds_the_largest_sums_seen(tree):
@@ -71,6 +73,7 @@ def test_the_peak_holds_the_largest_sums_seen(tree):
     sampler.sample()  # synchronously: the tree is at its full size now
     peak = sampler.result
     assert peak.rss >= 144 * MiB and peak.pss >= 144 * MiB and peak.processes == 2
+    assert peak.pss_anon >= 144 * MiB
     with PeakMemory(proc.pid, interval=0.01) as running:
         pass
     assert running.result.samples >= 1 and running.result.rss >= 144 * MiB
@@ -79,5 +82,5 @@ def test_the_peak_holds_the_largest_sums_seen(tree):
 def test_a_process_that_is_gone_counts_nothing():
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait(30)
-    assert process_memory(proc.pid) == (0, 0)
-    assert tree_memory(proc.pid)[:2] == (0, 0)
+    assert process_memory(proc.pid) == {"rss": 0, "pss": 0, "pss_anon": 0}
+    assert tree_memory(proc.pid)["rss"] == 0
