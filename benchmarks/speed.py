@@ -233,10 +233,14 @@ def in_process(images: ImageSet, columns: list[str], rounds: int, stall_batches:
         log(f"  round {r + 1}: limit {limits['antialias'][-1]:,.0f}/s (antialias), "
             f"{limits['linear'][-1]:,.0f}/s (without); " + ", ".join(
                 f"{x.result.name} {x.rates[-1]:,.0f}" for x in live if x.rates))
+    for x in live:
+        try:
+            x.peer.close(x.loader)
+        except Exception as e:  # noqa: BLE001
+            why.setdefault((x.column, x.work), f"failed to close: {type(e).__name__}: {e}"[:200])
+        x.loader = None
     live = [x for x in live if (x.column, x.work) not in why]
     for x in live:
-        x.peer.close(x.loader)
-        x.loader = None
         x.result.rate = statistics.median(x.rates)
     # stalls at 80% of each loader's measured rate, loaders taking turns chunk by chunk
     tests = []
