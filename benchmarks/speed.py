@@ -200,7 +200,17 @@ def limit(blobs: list[bytes], antialias: bool) -> float:
 def in_process(images: ImageSet, columns: list[str], rounds: int, stall_batches: int,
                limit_samples: int, why: dict[tuple[str, str], str],
                log: Callable[[str], None]) -> dict[str, Any]:
-    """Throughput rounds with the limit measured in each, then stalls. Returns the raw figures."""
+    """Throughput rounds with the limit measured in each, then stalls. Returns the raw figures;
+    a loader that fails is reported in `why` (and left out from then on), never fatal."""
+
+    def attempt(key: tuple[str, str], step: Callable[[], Any]) -> tuple[bool, Any]:
+        try:
+            return True, step()
+        except Exception as e:  # noqa: BLE001 - a peer that breaks is reported, not fatal
+            log(traceback.format_exc())
+            why.setdefault(key, f"failed: {type(e).__name__}: {e}"[:200])
+            return False, None
+
     live: list[Live] = []
     for work in ("fast", "pil"):
         for column in columns:
@@ -208,15 +218,12 @@ def in_process(images: ImageSet, columns: list[str], rounds: int, stall_batches:
             if work not in c.works or (column, work) in why:
                 continue
             result = peers.Result(f"{column} ({work})", "-")
-            try:
-                peer = c.factory(images, work)
-                log(f"{column} ({work}): first epoch ...")
-                loader, _ = peers.first_epoch(peer, result, images.n, log)
-            except Exception as e:  # noqa: BLE001 - a peer that breaks is reported, not fatal
-                log(traceback.format_exc())
-                why[column, work] = f"failed: {type(e).__name__}: {e}"[:200]
-                continue
-            live.append(Live(column, work, peer, result, loader))
+            log(f"{column} ({work}): first epoch ...")
+            ok, peer = attempt((column, work), lambda c=c, work=work: c.factory(images, work))
+            ok, started = attempt((column, work), lambda peer=peer, result=result:
+                                  peers.first_epoch(peer, result, images.n, log)) if ok else (ok, None)
+            if ok:
+                live.append(Live(column, work, peer, result, started[0]))
     blobs = [images.read_jpeg(i) for i in range(min(limit_samples, images.n))]
     limit(blobs[:50], True)  # imports, first-call costs
     cores = os.cpu_count() or 1
@@ -224,41 +231,37 @@ def in_process(images: ImageSet, columns: list[str], rounds: int, stall_batches:
     for r in range(rounds):
         limits["antialias"].append(limit(blobs, True) * cores)
         limits["linear"].append(limit(blobs, False) * cores)
+        done = []
         for x in live:
-            try:
-                x.rates.append(peers.epoch_rate(x.peer, x.loader))
-            except Exception as e:  # noqa: BLE001
-                log(traceback.format_exc())
-                why[x.column, x.work] = f"failed: {type(e).__name__}: {e}"[:200]
+            if (x.column, x.work) not in why:
+                ok, rate = attempt((x.column, x.work), lambda x=x: peers.epoch_rate(x.peer, x.loader))
+                if ok:
+                    x.rates.append(rate)
+                    done.append(f"{x.result.name} {rate:,.0f}")
         log(f"  round {r + 1}: limit {limits['antialias'][-1]:,.0f}/s (antialias), "
-            f"{limits['linear'][-1]:,.0f}/s (without); " + ", ".join(
-                f"{x.result.name} {x.rates[-1]:,.0f}" for x in live if x.rates))
+            f"{limits['linear'][-1]:,.0f}/s (without); " + ", ".join(done))
     for x in live:
-        try:
-            x.peer.close(x.loader)
-        except Exception as e:  # noqa: BLE001
-            why.setdefault((x.column, x.work), f"failed to close: {type(e).__name__}: {e}"[:200])
+        attempt((x.column, x.work), lambda x=x: x.peer.close(x.loader))
         x.loader = None
     live = [x for x in live if (x.column, x.work) not in why]
-    for x in live:
-        x.result.rate = statistics.median(x.rates)
     # stalls at 80% of each loader's measured rate, loaders taking turns chunk by chunk
     tests = []
     for x in live:
-        try:
-            tests.append((x, peers.StallTest(x.peer, x.result, images.n, stall_batches)))
-        except Exception as e:  # noqa: BLE001
-            log(traceback.format_exc())
-            why[x.column, "stall"] = f"failed: {type(e).__name__}: {e}"[:200]
-    while any(t.left > 0 for _, t in tests):
-        for _, t in tests:
-            if t.left > 0:
-                t.chunk()
+        x.result.rate = statistics.median(x.rates)
+        key = (x.column, "stall" if x.work == "fast" else "stall-pil")
+        ok, test = attempt(key, lambda x=x: peers.StallTest(x.peer, x.result, images.n,
+                                                             stall_batches))
+        if ok:
+            tests.append((x, key, test))
+    while any(t.left > 0 for _, _, t in tests):
+        for _, key, t in tests:
+            if t.left > 0 and not attempt(key, t.chunk)[0]:
+                t.left = 0
     stalls = {}
-    for x, t in tests:
-        t.finish()
-        stalls[x.column, x.work] = t.result.stall
-        log(f"  {x.result.name}: stall {t.result.stall:.1%} at 80% load")
+    for x, key, t in tests:
+        if attempt(key, t.finish)[0] and key not in why:
+            stalls[x.column, x.work] = t.result.stall
+            log(f"  {x.result.name}: stall {t.result.stall:.1%} at 80% load")
     return {"cores": cores, "limits": limits,
             "rates": {f"{x.column}|{x.work}": x.rates for x in live},
             "stalls": {f"{c}|{w}": s for (c, w), s in stalls.items()}}
