@@ -30,7 +30,8 @@ Figures and how each is measured (all in this one run):
   an empty local cache, from construction to the first batch.
 
     .venv-bench/bin/python -m benchmarks.speed            # the full table, ~10 min on 2 cores
-    .venv-bench/bin/python -m benchmarks.speed --quick    # a ~1-2 min smoke run (2k images)
+    .venv-bench/bin/python -m benchmarks.speed --quick    # smoke run, 2k images, ~2.5 min
+                                                          # (FFCV compiling its JIT: ~35 s)
 
 Peers that are not installed give "n/a" cells with the reason under the table; `make bench`
 builds .venv-bench with them (FFCV only where its system libraries are present).
@@ -146,7 +147,8 @@ def render(figures: list[Figure], columns: list[str] = COLUMNS) -> str:
     met. Unmeasured cells are "n/a" (reasons listed under the table); cells a loader has no
     row for are "-"."""
     headers = ["figure", *columns, "best peer", "ours / best peer", "goal", "met"]
-    rows, notes = [], []
+    rows = []
+    why: dict[str, dict[str, list[str]]] = {}  # column -> reason -> figures
     for f in figures:
         cells = []
         for c in columns:
@@ -154,13 +156,15 @@ def render(figures: list[Figure], columns: list[str] = COLUMNS) -> str:
                 cells.append(f.fmt.format(f.values[c]))
             elif c in f.why:
                 cells.append("n/a")
-                notes.append(f"- {f.name}, {c}: {f.why[c]}")
+                why.setdefault(c, {}).setdefault(f.why[c], []).append(f.name)
             else:
                 cells.append("-")
         best, ratio = f.best_peer(), f.ours_to_best()
         rows.append([f.name, *cells, f"{best[0]} {f.fmt.format(best[1])}" if best else "-",
                      f"{ratio:.2f}" if ratio is not None else "-", f.goal, f.met()])
     out = table(headers, rows)
+    notes = [f"- {c}: {reason}" if len(reasons) == 1 else f"- {c} ({'; '.join(names)}): {reason}"
+             for c, reasons in why.items() for reason, names in reasons.items()]
     if notes:
         out += "\n\nn/a:\n" + "\n".join(notes)
     return out

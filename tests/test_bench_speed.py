@@ -46,8 +46,17 @@ def test_unmeasured_cells_are_na_with_the_reason_under_the_table():
     assert f.met() == "n/a (torch DataLoader not measured)"
     text = render([f], COLUMNS)
     assert cells(text, "peak RSS")[1:5] == ["900", "n/a", "n/a", "-"]
-    assert "- peak RSS, FFCV: not installed here" in text
-    assert "- peak RSS, torch DataLoader: failed: boom" in text
+    assert "- FFCV: not installed here" in text
+    assert "- torch DataLoader: failed: boom" in text
+
+
+def test_a_column_with_several_reasons_names_the_figures_of_each():
+    rss = Figure("peak RSS", "{:,.0f}", False, {OURS: 1.0}, why={"litdata": "not installed"})
+    cold = Figure("cold", "{:.2f}", False, {OURS: 1.0}, why={"litdata": "no S3 endpoint"})
+    pss = Figure("peak PSS", "{:,.0f}", False, {OURS: 1.0}, why={"litdata": "not installed"})
+    text = render([rss, cold, pss], COLUMNS)
+    assert "- litdata (peak RSS; peak PSS): not installed" in text
+    assert "- litdata (cold): no S3 endpoint" in text
 
 
 def test_a_reference_row_has_no_best_peer_and_no_goal():
