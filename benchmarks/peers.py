@@ -12,14 +12,16 @@ Same JPEGs (`benchmarks/_images.py`), same work per sample (shardloader's `Decod
 * litdata `StreamingDataset` + `StreamingDataLoader` (litdata's chunks),
 * FFCV, where installed (its .beton file; RandomResizedCrop + flip in its own pipeline).
 
-Optional peers that are not installed print "not installed" rows; install them into a separate
-venv (they pin versions the main one must not take):
+Optional peers that are not installed print "not installed" rows; they live in a separate venv
+(they pin versions the main one must not take), which `make bench-setup` builds (FFCV too where
+`apt-get install -y libturbojpeg0-dev libopencv-dev pkg-config` has been done):
 
-    python3 -m venv .venv-bench && .venv-bench/bin/python -m pip install -U pip
-    .venv-bench/bin/pip install -c constraints.txt -e '.[test,bench]'   # (pip 23 cannot resolve it)
-    apt-get install -y libturbojpeg0-dev libopencv-dev pkg-config       # FFCV, optional
-    .venv-bench/bin/pip install -c constraints.txt ffcv
+    make bench-setup
     .venv-bench/bin/python -m benchmarks.peers          # about 4 minutes on 2 cores
+
+The adapters below also serve `benchmarks/speed.py` (issue 14's table): each takes the per-sample
+`work` ("fast": DecodeCropFlip; "pil": the PIL transform of benchmarks/throughput.py), and the
+ones that can read S3 take a `Remote` (an S3 endpoint and an empty cache folder).
 
 mosaicml-streaming imports torchvision (for its vision datasets, unused here); PyPI's torchvision
 wheels are CUDA builds that do not load against the CPU torch, so `import_streaming` stubs that
@@ -77,15 +79,49 @@ WARMUP_BATCHES = 5
 FFCV_MARK = 6_900.0
 
 
-def _transform() -> Any:
+WORKS = {
+    "fast": f"DecodeCropFlip({SIZE}) (simplejpeg + cv2, antialiased: shardloader's fast path)",
+    "pil": "PIL decode + RandomResizedCrop + flip, torchvision-style (what peers' users write)",
+}
+
+
+def loader_transform(work: str) -> Any:
+    """The per-sample work as shardloader's Loader takes it (a sample-dict transform)."""
+    if work == "pil":
+        from benchmarks.throughput import pil_sample_transform
+
+        return pil_sample_transform
     from shardloader.transforms import DecodeCropFlip
 
     return DecodeCropFlip(SIZE)
 
 
-def _augment(data: bytes, t: Any) -> np.ndarray:
-    """DecodeCropFlip on raw bytes, drawing from the global torch RNG (as peers' pipelines do)."""
-    return t({"image": data})["image"]
+class Augment:
+    """The same work on raw JPEG bytes, for the peers' pipelines: `bytes -> HWC uint8`, drawing
+    from the global torch RNG, as peers' per-sample transforms do."""
+
+    def __init__(self, work: str = "fast") -> None:
+        if work not in WORKS:
+            raise ValueError(f"unknown work {work!r}; known: {', '.join(WORKS)}")
+        self.work = work
+        self.t = None if work == "pil" else loader_transform(work)
+
+    def __call__(self, data: bytes) -> np.ndarray:
+        if self.t is None:
+            from benchmarks.throughput import pil_crop_flip
+
+            return pil_crop_flip(data)
+        return self.t({"image": data})["image"]
+
+
+@dataclass(frozen=True)
+class Remote:
+    """Where a peer reads its dataset from when not from local files: an S3 endpoint holding
+    each layout under s3://<bucket>/<layout> (see benchmarks/_s3.py), and a fresh, empty local
+    cache folder for this loader (a cold start)."""
+
+    s3: Any  # a benchmarks._s3.S3Endpoint
+    cache_dir: str
 
 
 # -- the peers ---------------------------------------------------------------------------------
@@ -136,13 +172,19 @@ class _Replay:
         return it
 
 
-def shardloader_peer(images: ImageSet) -> Peer:
+def shardloader_peer(images: ImageSet, work: str = "fast", remote: Remote | None = None) -> Peer:
     from shardloader import Dataset, Loader
+
+    def dataset() -> Any:
+        if remote is None:
+            return Dataset(images.arrow_dir)
+        return Dataset(remote.s3.url("arrow"), cache_dir=remote.cache_dir,
+                       storage_options=remote.s3.fsspec_options())
 
     def make() -> Any:
         # tail="partial": the last batch is short, as in the peers (the default pads it)
-        return Loader(Dataset(images.arrow_dir), batch_size=BATCH, num_workers=WORKERS,
-                      transform=_transform(), seed=SEED, tail="partial", shuffle=True,
+        return Loader(dataset(), batch_size=BATCH, num_workers=WORKERS,
+                      transform=loader_transform(work), seed=SEED, tail="partial", shuffle=True,
                       persistent_workers=True)
 
     def restore(state: Any) -> Any:
@@ -157,16 +199,16 @@ def shardloader_peer(images: ImageSet) -> Peer:
 class FileDataset(torch.utils.data.Dataset):
     """Map-style dataset over image files: (image, id)."""
 
-    def __init__(self, images: ImageSet) -> None:
+    def __init__(self, images: ImageSet, work: str = "fast") -> None:
         self.items = images.file_items()
-        self.t = _transform()
+        self.t = Augment(work)
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         with open(self.items[i][0], "rb") as f:
-            return torch.from_numpy(_augment(f.read(), self.t)), i
+            return torch.from_numpy(self.t(f.read())), i
 
 
 def _shutdown(handle: Any) -> None:
@@ -176,10 +218,10 @@ def _shutdown(handle: Any) -> None:
     gc.collect()
 
 
-def dataloader_peer(images: ImageSet) -> Peer:
+def dataloader_peer(images: ImageSet, work: str = "fast") -> Peer:
     def make() -> Any:
         return torch.utils.data.DataLoader(
-            FileDataset(images), batch_size=BATCH, shuffle=True, num_workers=WORKERS,
+            FileDataset(images, work), batch_size=BATCH, shuffle=True, num_workers=WORKERS,
             generator=torch.Generator().manual_seed(SEED), persistent_workers=True)
 
     return Peer("torch DataLoader", "files", make, lambda b: b[1].tolist(),
@@ -209,10 +251,10 @@ def webdataset_peer(images: ImageSet) -> Peer:
     import webdataset as wds
 
     urls = images.tar_urls()
-    t = _transform()
+    t = Augment()
 
     def sample(s: tuple[str, bytes]) -> tuple[np.ndarray, int]:
-        return _augment(s[1], t), int(s[0])
+        return t(s[1]), int(s[0])
 
     def make() -> Any:
         ds = (wds.WebDataset(urls, shardshuffle=len(urls), detshuffle=True, seed=SEED,
@@ -248,22 +290,25 @@ def import_streaming() -> Any:
     return streaming
 
 
-def mosaic_peer(images: ImageSet) -> Peer:
+def mosaic_peer(images: ImageSet, work: str = "fast", remote: Remote | None = None) -> Peer:
+    """mosaicml-streaming; from S3 when `remote` is given (it reads the endpoint and the
+    credentials from the environment: set `remote.s3.env()` before calling `make`)."""
     streaming = import_streaming()
     from streaming import StreamingDataLoader, StreamingDataset
 
     from benchmarks._images import prepare_mds
 
-    local = prepare_mds(images)
+    where = ({"local": prepare_mds(images)} if remote is None
+             else {"remote": remote.s3.url("mds"), "local": remote.cache_dir})
 
     class MDSImages(StreamingDataset):
         def __init__(self) -> None:
-            super().__init__(local=local, shuffle=True, shuffle_seed=SEED, batch_size=BATCH)
-            self.t = _transform()
+            super().__init__(**where, shuffle=True, shuffle_seed=SEED, batch_size=BATCH)
+            self.t = Augment(work)
 
         def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
             s = super().__getitem__(i)
-            return _augment(s["jpg"], self.t), int(s["id"])
+            return self.t(s["jpg"]), int(s["id"])
 
     def make() -> Any:
         streaming.base.util.clean_stale_shared_memory()
@@ -279,21 +324,32 @@ def mosaic_peer(images: ImageSet) -> Peer:
                 lambda h, k: h.state_dict(), restore, _shutdown, True)
 
 
-def litdata_peer(images: ImageSet) -> Peer:
+def litdata_peer(images: ImageSet, work: str = "fast", remote: Remote | None = None) -> Peer:
+    """litdata; from S3 when `remote` is given (endpoint and credentials through its
+    `storage_options`, which go to its boto3 client and the obstore store built from it)."""
     import litdata
 
     from benchmarks._images import prepare_litdata
 
-    input_dir = prepare_litdata(images)
+    where = ({"input_dir": prepare_litdata(images)} if remote is None
+             else {"input_dir": remote.s3.url("litdata"), "cache_dir": remote.cache_dir,
+                   "storage_options": remote.s3.boto_options()})
+    if remote is not None and remote.s3.endpoint.startswith("http://"):
+        # litdata fetches chunks with obstore, whose client refuses plain http unless told
+        # (a real S3 endpoint is https); storage_options reach only boto3, so the loopback
+        # server is allowed in litdata's obstore client options (inherited by forked workers).
+        from litdata.streaming import downloader
+
+        downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = "true"
 
     class LitImages(litdata.StreamingDataset):
         def __init__(self) -> None:
-            super().__init__(input_dir, shuffle=True, seed=SEED)
-            self.t = _transform()
+            super().__init__(**where, shuffle=True, seed=SEED)
+            self.t = Augment(work)
 
         def __getitem__(self, index: Any) -> tuple[np.ndarray, int]:
             s = super().__getitem__(index)
-            return _augment(s["jpg"], self.t), int(s["id"])
+            return self.t(s["jpg"]), int(s["id"])
 
     def make() -> Any:
         return litdata.StreamingDataLoader(LitImages(), batch_size=BATCH, num_workers=WORKERS,

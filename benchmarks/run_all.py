@@ -24,10 +24,15 @@ BENCHMARKS = {
     "mixing": ["-m", "benchmarks.mixing"],
     "throughput": ["-m", "benchmarks.throughput"],
     "peers": ["-m", "benchmarks.peers"],
+    "speed": ["-m", "benchmarks.speed"],  # issue 14's table, beside FFCV and litdata
     "cache": ["-m", "benchmarks.cache"],
     "telemetry_overhead": ["-m", "benchmarks.telemetry_overhead"],
     "checkpoint": ["-m", "benchmarks.checkpoint", "--sizes", "256M,1G"],
 }
+
+
+# Run with .venv-bench (`make bench` builds it): they measure the peer loaders installed there.
+WITH_PEERS = {"peers", "speed"}
 
 
 def machine() -> str:
@@ -53,7 +58,8 @@ def main() -> None:
     bench_python = os.path.join(ROOT, ".venv-bench", "bin", "python")  # peers live there
     for name in names:
         print(f"== {name}", flush=True)
-        python = bench_python if name == "peers" and os.path.exists(bench_python) else sys.executable
+        python = (bench_python if name in WITH_PEERS and os.path.exists(bench_python)
+                  else sys.executable)
         start = time.perf_counter()
         proc = subprocess.run([python, *BENCHMARKS[name]], cwd=ROOT, env=env,
                               capture_output=True, text=True)

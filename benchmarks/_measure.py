@@ -1,0 +1,117 @@
+"""What a loader costs its whole process tree, read from Linux /proc: memory (RSS and PSS summed
+over a process and its descendants, sampled while it runs) and CPU (`_common.tree_cpu_seconds`).
+
+A loader's cost is spread over processes: the training process, its worker processes, their
+helpers. Summing RSS double-counts pages the workers share with the parent after fork (torch,
+numpy, the imported code); PSS divides each shared page among the processes that map it, so
+the PSS sum is what the tree really takes from the machine. Both are reported, as the issue's
+table does.
+
+`PeakMemory` polls from a thread of the *measuring* process, so the measured tree carries no
+sampler of its own. Polling every `interval` seconds can miss a spike shorter than that; the
+loaders' memory grows with imports, worker start-up and in-flight batches, which last far
+longer than the default 20 ms.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from benchmarks._common import _children
+
+
+def tree_pids(root: int) -> list[int]:
+    """`root` and every live descendant of it (through /proc/<pid>/task/*/children)."""
+    seen: list[int] = []
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.append(pid)
+        todo += _children(pid)
+    return seen
+
+
+_FIELDS = {"Rss:": "rss", "Pss:": "pss", "Pss_Anon:": "pss_anon"}
+
+
+def process_memory(pid: int) -> dict[str, int]:
+    """{"rss", "pss", "pss_anon"} of one process in bytes, from /proc/<pid>/smaps_rollup; zeros
+    when it is gone (or is a zombie, whose rollup is empty). `pss_anon` is the part of PSS
+    that is not file-backed (heap, arrays): mapped files such as memory-mapped shards count in
+    RSS and PSS but are page cache the kernel can drop."""
+    out = dict.fromkeys(_FIELDS.values(), 0)
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key = _FIELDS.get(line.split(maxsplit=1)[0])
+                if key:
+                    out[key] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return dict.fromkeys(_FIELDS.values(), 0)
+    return out
+
+
+def tree_memory(root: int) -> dict[str, int]:
+    """{"rss", "pss", "pss_anon", "processes"} summed over `root` and its descendants now."""
+    pids = tree_pids(root)
+    total = dict.fromkeys(_FIELDS.values(), 0)
+    for pid in pids:
+        for key, value in process_memory(pid).items():
+            total[key] += value
+    return {**total, "processes": len(pids)}
+
+
+@dataclass
+class Peak:
+    """The largest tree-wide sums seen (each maximised on its own), and how many samples."""
+
+    rss: int = 0
+    pss: int = 0
+    pss_anon: int = 0
+    processes: int = 0
+    samples: int = 0
+
+
+class PeakMemory:
+    """Samples `tree_memory(root)` every `interval` seconds in a daemon thread until `stop()`.
+
+        with PeakMemory(proc.pid) as peak:
+            proc.wait()
+        peak.result.rss, peak.result.pss
+    """
+
+    def __init__(self, root: int, interval: float = 0.02) -> None:
+        self.root, self.interval = root, interval
+        self.result = Peak()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-memory", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.interval):
+                return
+
+    def sample(self) -> None:
+        now, r = tree_memory(self.root), self.result
+        r.rss, r.pss = max(r.rss, now["rss"]), max(r.pss, now["pss"])
+        r.pss_anon, r.processes = max(r.pss_anon, now["pss_anon"]), max(r.processes, now["processes"])
+        r.samples += 1
+
+    def start(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def stop(self) -> Peak:
+        self._stop.set()
+        self._thread.join(10)
+        return self.result
+
+    def __enter__(self) -> PeakMemory:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

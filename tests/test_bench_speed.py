@@ -1,0 +1,64 @@
+"""benchmarks/speed.py's table: the best peer per figure (either direction), ours / best peer,
+the goal check, and n/a cells that say why."""
+
+from __future__ import annotations
+
+from benchmarks.speed import OURS, Figure, render
+
+COLUMNS = [OURS, "FFCV", "torch DataLoader", "litdata"]
+
+
+def cells(text: str, figure: str) -> list[str]:
+    line = next(line for line in text.splitlines() if line.startswith(f"| {figure} "))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_higher_is_better_picks_the_fastest_peer_and_checks_the_goal():
+    f = Figure("samples/s", "{:,.0f}", True, {OURS: 6000.0, "FFCV": 5000.0,
+                                               "torch DataLoader": 4000.0},
+               goal="≥ 1.2× FFCV", check=lambda o, p: o >= 1.2 * p["FFCV"])
+    assert f.best_peer() == ("FFCV", 5000.0)
+    assert f.ours_to_best() == 6000.0 / 5000.0
+    assert f.met() == "yes"
+    row = cells(render([f], COLUMNS), "samples/s")
+    assert row == ["samples/s", "6,000", "5,000", "4,000", "-", "FFCV 5,000", "1.20",
+                   "≥ 1.2× FFCV", "yes"]
+
+
+def test_lower_is_better_picks_the_smallest_peer():
+    f = Figure("first batch", "{:.2f}", False, {OURS: 0.5, "FFCV": 9.0, "litdata": 0.2},
+               goal="≤ 0.2 s", check=lambda o, p: o <= 0.2)
+    assert f.best_peer() == ("litdata", 0.2)
+    assert f.ours_to_best() == 0.5 / 0.2
+    assert f.met() == "no"
+
+
+def test_a_ratio_measured_per_round_wins_over_the_ratio_of_values():
+    f = Figure("samples/s", "{:,.0f}", True, {OURS: 6000.0, "FFCV": 5000.0}, ratio=1.1)
+    assert f.ours_to_best() == 1.1
+
+
+def test_unmeasured_cells_are_na_with_the_reason_under_the_table():
+    f = Figure("peak RSS", "{:,.0f}", False, {OURS: 900.0},
+               why={"torch DataLoader": "failed: boom", "FFCV": "not installed here"},
+               goal="≤ DataLoader's", check=lambda o, p: o <= p["torch DataLoader"])
+    assert f.best_peer() is None and f.ours_to_best() is None
+    assert f.met() == "n/a (torch DataLoader not measured)"
+    text = render([f], COLUMNS)
+    assert cells(text, "peak RSS")[1:5] == ["900", "n/a", "n/a", "-"]
+    assert "- FFCV: not installed here" in text
+    assert "- torch DataLoader: failed: boom" in text
+
+
+def test_a_column_with_several_reasons_names_the_figures_of_each():
+    rss = Figure("peak RSS", "{:,.0f}", False, {OURS: 1.0}, why={"litdata": "not installed"})
+    cold = Figure("cold", "{:.2f}", False, {OURS: 1.0}, why={"litdata": "no S3 endpoint"})
+    pss = Figure("peak PSS", "{:,.0f}", False, {OURS: 1.0}, why={"litdata": "not installed"})
+    text = render([rss, cold, pss], COLUMNS)
+    assert "- litdata (peak RSS; peak PSS): not installed" in text
+    assert "- litdata (cold): no S3 endpoint" in text
+
+
+def test_a_reference_row_has_no_best_peer_and_no_goal():
+    f = Figure("limit", "{:,.0f}", None, {OURS: 8000.0, "FFCV": 1.0})
+    assert f.best_peer() is None and f.ours_to_best() is None and f.met() == "-"
