@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from shardloader.arrays import sorted_unique
 from shardloader.errors import SchemaError, ShardError
 
 _SCALARS: dict[str, pa.DataType] = {
@@ -409,7 +410,7 @@ def gather_rows(
         return read_group(0, rows)
     groups = np.searchsorted(offsets, rows, side="right") - 1
     out: list[Any] = [None] * len(rows)
-    for group in np.unique(groups).tolist():
+    for group in sorted_unique(groups).tolist():
         positions = np.flatnonzero(groups == group)
         for pos, record in zip(positions.tolist(), read_group(group, rows[positions] - offsets[group])):
             out[pos] = record
