@@ -173,8 +173,11 @@ def _measure(which: str, n: int, batches: int, workers: int, interval: float) ->
     """Run one measured process and sample its tree until it exits."""
     cmd = [sys.executable, "-m", "benchmarks.memory", "--child", which, "--n", str(n),
            "--batches", str(batches), "--workers", str(workers)]
+    # Bytecode caches as an installed package has them (a dev shell that sets
+    # PYTHONDONTWRITEBYTECODE would have every run compile shardloader's sources again).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**env, "PYTHONUNBUFFERED": "1"})
     roles: dict[int, ProcessPeak] = {}
     peak_rss = peak_pss = 0
     samples = 0
