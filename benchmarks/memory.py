@@ -24,6 +24,10 @@ shared machine hits both alike; the table gives medians over `--rounds` rounds.
     python -m benchmarks.memory                      # 20k images, whole epoch, 3 rounds
     python -m benchmarks.memory --n 5000 --batches 40 --rounds 5
     python -m benchmarks.memory --only shardloader --rounds 1   # one loader's breakdown
+    python -m benchmarks.memory --baseline-src /tmp/old/src     # also shardloader from there
+
+`--baseline-src` adds a third loader: shardloader imported from another source tree (e.g. a
+`git archive` of an older commit), so a change is measured before/after in the same run.
 
 `run(...)` returns the figures as a dict for other benchmark scripts (see `benchmarks.run_all`).
 """
@@ -44,7 +48,8 @@ from typing import Any
 from benchmarks._common import load_average, machine, table
 
 LOADERS = ("shardloader", "dataloader")
-LABELS = {"shardloader": "shardloader Loader (Arrow)", "dataloader": "torch DataLoader (files)"}
+LABELS = {"shardloader": "shardloader Loader (Arrow)", "dataloader": "torch DataLoader (files)",
+          "baseline": "shardloader Loader, --baseline-src"}
 #: Libraries whose shared objects in a process's address space tell what it imported.
 _LIBRARIES = ("pandas", "cv2", "pyarrow", "mlflow", "simplejpeg", "PIL", "numpy", "torch",
               "scipy", "sqlalchemy", "xxhash", "fsspec")
@@ -169,13 +174,18 @@ class RunResult:
     samples: int
 
 
-def _measure(which: str, n: int, batches: int, workers: int, interval: float) -> RunResult:
+def _measure(which: str, n: int, batches: int, workers: int, interval: float,
+             baseline_src: str | None = None) -> RunResult:
     """Run one measured process and sample its tree until it exits."""
-    cmd = [sys.executable, "-m", "benchmarks.memory", "--child", which, "--n", str(n),
+    child = "shardloader" if which == "baseline" else which
+    cmd = [sys.executable, "-m", "benchmarks.memory", "--child", child, "--n", str(n),
            "--batches", str(batches), "--workers", str(workers)]
     # Bytecode caches as an installed package has them (a dev shell that sets
     # PYTHONDONTWRITEBYTECODE would have every run compile shardloader's sources again).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    if which == "baseline":
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(baseline_src or ""), root])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**env, "PYTHONUNBUFFERED": "1"})
     roles: dict[int, ProcessPeak] = {}
@@ -230,13 +240,13 @@ def _breakdown(result: RunResult) -> str:
 
 
 def run(n: int = 20_000, *, batches: int = 0, rounds: int = 3, workers: int = 2,
-        interval: float = 0.02, only: list[str] | None = None,
+        interval: float = 0.02, only: list[str] | None = None, baseline_src: str | None = None,
         log: Callable[[str], None] = print) -> dict[str, Any]:
     """Measure, print the table and the per-process breakdown, and return the figures."""
     from benchmarks._images import describe, prepare_images
 
     images = prepare_images(n, log=log)
-    names = [w for w in LOADERS if not only or w in only]
+    names = [w for w in LOADERS if not only or w in only] + (["baseline"] if baseline_src else [])
     log(f"{describe(images)}; {machine()}; {load_average()}")
     log(f"work: DecodeCropFlip(112), batch 64, {workers} workers, "
         f"{'whole epoch' if not batches else f'{batches} batches'}; {rounds} alternating rounds")
@@ -244,7 +254,7 @@ def run(n: int = 20_000, *, batches: int = 0, rounds: int = 3, workers: int = 2,
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
         for which in order:
-            result = _measure(which, n, batches, workers, interval)
+            result = _measure(which, n, batches, workers, interval, baseline_src)
             runs[which].append(result)
             log(f"  round {r + 1} {which}: first batch {result.first_batch_s:.3f} s, peak RSS "
                 f"{result.peak_rss_mib:,.0f} MiB (PSS {result.peak_pss_mib:,.0f}), "
@@ -262,11 +272,12 @@ def run(n: int = 20_000, *, batches: int = 0, rounds: int = 3, workers: int = 2,
     log("")
     log(table(["loader", "peak RSS MiB (tree)", "peak PSS MiB (tree)", "first batch s (median)",
                "first batch s (runs)"], rows))
-    if len(names) == 2:
-        a, b = figures["shardloader"], figures["dataloader"]
-        log(f"\nshardloader / DataLoader: peak RSS {a['peak_rss_mib'] / b['peak_rss_mib']:.2f}x, "
-            f"peak PSS {a['peak_pss_mib'] / b['peak_pss_mib']:.2f}x, first batch "
-            f"{a['first_batch_s'] / b['first_batch_s']:.2f}x")
+    for mine in ("shardloader", "baseline"):
+        if mine in figures and "dataloader" in figures:
+            a, b = figures[mine], figures["dataloader"]
+            log(f"\n{LABELS[mine]} / DataLoader: peak RSS {a['peak_rss_mib'] / b['peak_rss_mib']:.2f}x, "
+                f"peak PSS {a['peak_pss_mib'] / b['peak_pss_mib']:.2f}x, first batch "
+                f"{a['first_batch_s'] / b['first_batch_s']:.2f}x")
     for which in names:
         log(f"\n{LABELS[which]}, per process (last round; peaks over the run):\n")
         log(_breakdown(runs[which][-1]))
@@ -282,13 +293,14 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--interval", type=float, default=0.02, help="seconds between samples")
     parser.add_argument("--only", nargs="*", choices=LOADERS)
+    parser.add_argument("--baseline-src", help="also run shardloader imported from this src folder")
     parser.add_argument("--child", choices=LOADERS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         _child(args.child, args.n, args.batches, args.workers)
         return
     run(args.n, batches=args.batches, rounds=args.rounds, workers=args.workers,
-        interval=args.interval, only=args.only)
+        interval=args.interval, only=args.only, baseline_src=args.baseline_src)
 
 
 if __name__ == "__main__":

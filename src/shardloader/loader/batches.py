@@ -143,26 +143,21 @@ class BatchProducer:
         """Import here what producing a batch imports lazily, before worker processes fork.
 
         Forked workers inherit this process's modules (their pages shared copy-on-write)
-        instead of each importing the shard reader stack and the image libraries before its
-        first batch. The reader modules (pyarrow) come before OpenCV: imported after cv2,
-        pyarrow's library took 0.05-0.18 s to load instead of 0.02-0.03 s (the dynamic
-        linker searches OpenCV's many libraries first). For a local dataset one sample is read
-        (pyarrow's first read initialises its memory pool and imports numpy.ma); a remote one
-        would download a shard, so there only the modules are imported. Failures are left for
-        the workers to report with their full context.
+        instead of each importing the shard reader stack (pyarrow) and the image libraries
+        before its first batch. For a local dataset one sample is read (pyarrow's first read
+        initialises its memory pool); a remote one would download a shard, so there only the
+        modules are imported. Failures are left for the workers to report with their full
+        context.
         """
-        index = getattr(self.dataset, "index", None)
-        try:
-            for fmt in sorted({shard.format for shard in getattr(index, "shards", ())}):
-                importlib.import_module(f"shardloader.format.{fmt}")
-        except Exception:  # noqa: BLE001 - an optimisation only; workers raise the real error
-            pass
         for name in ("cv2", "simplejpeg"):  # what shardloader.transforms load on first use
             try:
                 importlib.import_module(name)
             except ImportError:
                 pass
+        index = getattr(self.dataset, "index", None)
         try:
+            for fmt in {shard.format for shard in getattr(index, "shards", ())}:
+                importlib.import_module(f"shardloader.format.{fmt}")
             if isinstance(getattr(self.dataset, "source", None), LocalSource) and len(self.dataset):
                 self.dataset.get_many(np.zeros(1, dtype=np.int64))  # workers reopen their own
         except Exception:  # noqa: BLE001 - an optimisation only; workers raise the real error
