@@ -18,6 +18,9 @@ samples every process of that run's tree (the run's main process and each worker
   slots; torch's shared tensors), plus VmHWM (the kernel's own RSS high-water mark, which sees
   peaks between samples), threads, and which heavy libraries the process has mapped.
 
+Sampling starts once the run's first batch is out (reading smaps_rollup slows the target's
+start: see `_measure`); VmHWM still covers the start, and the peaks come later anyway.
+
 Runs alternate between the loaders (A B, B A, ...) so that load from other processes on the
 shared machine hits both alike; the table gives medians over `--rounds` rounds.
 
@@ -40,6 +43,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -188,9 +192,27 @@ def _measure(which: str, n: int, batches: int, workers: int, interval: float,
         env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(baseline_src or ""), root])
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**env, "PYTHONUNBUFFERED": "1"})
+    # The child's stderr is read on a thread: its phase marks tell when the first batch is out.
+    # Sampling starts only then: reading smaps_rollup takes the target's mmap lock, and at 50 Hz
+    # over three processes it slowed the forks and library loads of the start (first batch
+    # 0.26-0.53 s sampled, ~0.17 s not). The run's peaks come later, as the workers read.
+    err_lines: list[str] = []
+    first_out = threading.Event()
+
+    def read_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            err_lines.append(line)
+            if line.startswith("@phase first"):
+                first_out.set()
+        first_out.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
     roles: dict[int, ProcessPeak] = {}
     peak_rss = peak_pss = 0
     samples = 0
+    first_out.wait()
     while proc.poll() is None:
         total_rss = total_pss = 0
         tree = [(proc.pid, "main")] + [(c, "") for c in _children(proc.pid)]
@@ -212,7 +234,11 @@ def _measure(which: str, n: int, batches: int, workers: int, interval: float,
             samples += 1
             peak_rss, peak_pss = max(peak_rss, total_rss), max(peak_pss, total_pss)
         time.sleep(interval)
-    out, err = proc.communicate()
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    proc.wait()
+    reader.join(10)
+    err = "".join(err_lines)
     if proc.returncode != 0:
         raise RuntimeError(f"{which} run failed (exit {proc.returncode}):\n{err[-3000:]}")
     figures = json.loads(out.strip().splitlines()[-1])

@@ -7,7 +7,6 @@ so the batches are the same for every `num_workers` and world size (I1, I3).
 
 from __future__ import annotations
 
-import gc
 import importlib
 import inspect
 import os
@@ -21,6 +20,7 @@ import numpy as np
 import torch
 
 from shardloader.loader.collate import collate
+from shardloader.loader.startup import paused_gc
 from shardloader.order.seeding import GlobalRngScope, sample_keys
 from shardloader.source import LocalSource
 
@@ -150,19 +150,13 @@ class BatchProducer:
         modules are imported. Failures are left for the workers to report with their full
         context.
 
-        The garbage collector is paused meanwhile: loading pyarrow and OpenCV creates many
-        objects and, in a process that holds torch, triggered full collections over its whole
-        heap (perf: `gc_collect_main` the top symbol); the two imports took 116-142 ms of CPU
-        with collections and 42-45 ms without, on the path to the first batch. Imports make
-        no garbage worth collecting; the collector runs again as soon as this returns.
+        The garbage collector is paused meanwhile (`shardloader.loader.startup`): loading
+        pyarrow and OpenCV creates many objects and, in a process that holds torch, triggered
+        full collections over its whole heap; the two imports took 116-142 ms of CPU with
+        collections and 42-45 ms without, on the path to the first batch.
         """
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with paused_gc():
             self._import_and_read()
-        finally:
-            if enabled:
-                gc.enable()
 
     def _import_and_read(self) -> None:
         for name in ("cv2", "simplejpeg"):  # what shardloader.transforms load on first use
