@@ -124,3 +124,37 @@ def test_file_is_uncompressed_ipc_file_format(arrow_dataset):
         table = reader.read_all()
     assert table.num_rows == 64
     assert table.column("data").to_pylist()[:3] == [s["data"] for s in arrow_dataset.samples[:3]]
+
+
+def _resident_kib(path: str) -> int:
+    """Resident KiB of this process's mappings of `path` (from /proc/self/smaps)."""
+    total, inside = 0, False
+    real = os.path.realpath(path)
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if head and "-" in head[0] and len(head) >= 5 and ":" in head[3]:  # a mapping line
+                inside = len(head) >= 6 and os.path.realpath(head[5]) == real
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_rows_read_leave_no_shard_pages_resident(tmp_path):
+    """Rows come back as copies, so the mapped pages they were read from are let go of after
+    each read (the file stays mapped): a worker's RSS does not grow by the shard bytes it read."""
+    rng = np.random.default_rng(5)
+    samples = [{"data": rng.integers(0, 256, 16_384, dtype=np.uint8).tobytes(), "label": i}
+               for i in range(256)]
+    write_shards(iter(samples), str(tmp_path), shard_samples=256)
+    ds = Dataset(str(tmp_path))
+    info = ds.index.shards[0]
+    path = os.path.join(str(tmp_path), info.path)
+    with ArrowShardReader(path, info, ds.index.schema) as reader:
+        rows = list(range(0, 256, 3)) + list(range(1, 256, 3)) + list(range(2, 256, 3))
+        got = reader.read_rows(rows)
+        assert [r["data"] for r in got] == [samples[i]["data"] for i in rows]
+        assert _resident_kib(path) <= 256  # 4 MiB of rows read; at most a few metadata pages
+        again = reader.read_rows([255, 0, 128])  # pages map in again on the next touch
+        assert [r["data"] for r in again] == [samples[i]["data"] for i in (255, 0, 128)]

@@ -3,7 +3,10 @@ slots that carry their batches are reused, also across abandoned iterations."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -100,3 +103,38 @@ def test_workers_hold_only_their_own_pipe_ends(dataset_dir):
     finally:
         first.close()
         second.close()
+
+
+_IMPORTS_SCRIPT = """
+import json, os, sys
+import torch
+from shardloader import Dataset, Loader
+
+HEAVY = ("pandas", "numpy.ma", "mlflow")
+
+def report(sample):
+    flags = [name in sys.modules for name in HEAVY]
+    return {"heavy": torch.tensor(flags), "pid": torch.tensor(os.getpid())}
+
+with Loader(Dataset(sys.argv[1]), batch_size=8, num_workers=2, transform=report, seed=1,
+            shuffle=True, persistent_workers=True) as loader:
+    batches = list(loader)
+pids = sorted({int(p) for b in batches for p in b["pid"].tolist()})
+in_workers = sorted({name for b in batches for row in b["heavy"].tolist()
+                     for name, there in zip(HEAVY, row) if there})
+print(json.dumps({"main": os.getpid(), "pids": pids, "workers": in_workers,
+                  "parent": [name for name in HEAVY if name in sys.modules]}))
+"""
+
+
+def test_workers_do_not_import_pandas_numpy_ma_or_mlflow(dataset_dir):
+    """What a worker imports costs memory in every worker and time before its first batch:
+    reading rows and running the loader must not pull in pandas (pyarrow's `to_numpy` does),
+    numpy.ma (numpy's `unique` does) or mlflow (telemetry is the training process's)."""
+    out = subprocess.run([sys.executable, "-c", _IMPORTS_SCRIPT, dataset_dir],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(report["pids"]) == 2 and report["main"] not in report["pids"]  # ran in workers
+    assert report["workers"] == []
+    assert report["parent"] == []

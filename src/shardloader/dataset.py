@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from shardloader.arrays import sorted_unique
 from shardloader.errors import DatasetIndexError, ShardChangedError
 from shardloader.format.index import Index
 from shardloader.format.reader import ShardReader, open_shard
@@ -141,7 +142,7 @@ class Dataset:
         samples = np.asarray(samples, dtype=np.int64)
         shards, rows = self.index.locate_many(samples)
         out: list[dict[str, Any] | None] = [None] * len(samples)
-        for shard in np.unique(shards):
+        for shard in sorted_unique(shards):
             positions = np.flatnonzero(shards == shard)
             records = self._read_rows(int(shard), rows[positions].tolist())
             for pos, record in zip(positions.tolist(), records):

@@ -20,7 +20,7 @@ import pyarrow as pa
 from shardloader.errors import ShardError, ShardloaderError
 from shardloader.format.identity import FileIdentity
 from shardloader.format.index import ShardInfo
-from shardloader.format.reader import memory_map_shard
+from shardloader.format.reader import MappedPages, memory_map_shard
 from shardloader.format.schema import BatchRows, check_shard, gather_rows, null_counts, schema_names
 
 
@@ -37,6 +37,7 @@ class ArrowShardReader:
         self.path = path
         self.info = info
         self._map, self._guard = memory_map_shard(path, info, expect)
+        self._pages = MappedPages(self._map)
         try:
             reader = pa.ipc.open_file(self._map)
             batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
@@ -73,6 +74,7 @@ class ArrowShardReader:
         records = gather_rows(self._offsets, rows,
                               lambda b, local: self._batches[b].records(local), where=self.path)
         self._guard.check()
+        self._pages.drop()  # the rows are copies: the touched pages need not stay resident
         return records
 
     def null_counts(self) -> dict[str, int]:

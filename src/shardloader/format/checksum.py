@@ -14,7 +14,7 @@ from typing import BinaryIO
 import xxhash
 
 DEFAULT_ALGORITHM = "xxh3_128"
-_CHUNK = 4 << 20
+_CHUNK = 1 << 20  # as fast as 4 MiB here, and a quarter of the memory
 
 
 def new_hasher(algorithm: str = DEFAULT_ALGORITHM):
@@ -50,23 +50,37 @@ def checksum_bytes(data: bytes | memoryview, algorithm: str = DEFAULT_ALGORITHM)
 
 
 def checksum_stream(stream: BinaryIO, algorithm: str = DEFAULT_ALGORITHM) -> tuple[str, int]:
-    """Checksum and byte count of everything left in `stream`."""
+    """Checksum and byte count of everything left in `stream`.
+
+    Read into one reused buffer where the stream supports `readinto`: a fresh `bytes` per
+    chunk costs page faults on every chunk, and verifying a local shard became 2.4x slower
+    (8 shards of 15 MB: 42 ms against 17 ms, xxh3 on this machine) — on the path of every
+    worker's first batch."""
     hasher = new_hasher(algorithm)
     size = 0
-    while chunk := stream.read(_CHUNK):
-        hasher.update(chunk)
-        size += len(chunk)
+    readinto = getattr(stream, "readinto", None)
+    if readinto is None:
+        while chunk := stream.read(_CHUNK):
+            hasher.update(chunk)
+            size += len(chunk)
+    else:
+        buffer = memoryview(bytearray(_CHUNK))
+        while n := readinto(buffer):
+            hasher.update(buffer[:n])
+            size += n
     return format_checksum(algorithm, hasher.hexdigest()), size
 
 
 def checksum_fd(fd: int, algorithm: str = DEFAULT_ALGORITHM) -> tuple[str, int]:
-    """Checksum and byte count of everything in open file `fd`, read with `pread` (the file
-    offset is left alone, so a descriptor shared with a reader or writer is safe to hash)."""
+    """Checksum and byte count of everything in open file `fd`, read with `preadv` into one
+    reused buffer (see `checksum_stream`; the file offset is left alone, so a descriptor
+    shared with a reader or writer is safe to hash)."""
     hasher = new_hasher(algorithm)
+    buffer = memoryview(bytearray(_CHUNK))
     offset = 0
-    while chunk := os.pread(fd, _CHUNK, offset):
-        hasher.update(chunk)
-        offset += len(chunk)
+    while n := os.preadv(fd, [buffer], offset):
+        hasher.update(buffer[:n])
+        offset += n
     return format_checksum(algorithm, hasher.hexdigest()), offset
 
 

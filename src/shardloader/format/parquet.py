@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from shardloader.errors import ShardError, ShardloaderError
 from shardloader.format.identity import FileIdentity
 from shardloader.format.index import ShardInfo
-from shardloader.format.reader import memory_map_shard
+from shardloader.format.reader import MappedPages, memory_map_shard
 from shardloader.format.schema import BatchRows, check_shard, gather_rows, schema_names
 
 
@@ -45,6 +45,7 @@ class ParquetShardReader:
         self.info = info
         self.cache_bytes = cache_bytes
         self._source, self._guard = memory_map_shard(path, info, expect)
+        self._pages = MappedPages(self._source)
         try:
             self._file = pq.ParquetFile(self._source)
             meta = self._file.metadata
@@ -99,6 +100,7 @@ class ParquetShardReader:
         records = gather_rows(self._offsets, rows,
                               lambda g, local: self._row_group(g).records(local), where=self.path)
         self._guard.check()
+        self._pages.drop()  # decoded row groups are copies: the touched pages need not stay
         return records
 
     def null_counts(self) -> dict[str, int]:

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from shardloader.arrays import sorted_unique
 from shardloader.errors import SchemaError, ShardError
 
 _SCALARS: dict[str, pa.DataType] = {
@@ -52,6 +53,11 @@ _INT_NAMES = frozenset(n for n in _SCALARS if n.startswith(("int", "uint")))
 _FLOAT_NAMES = frozenset(n for n in _SCALARS if n.startswith("float"))
 _ARRAY_RE = re.compile(r"^array<([a-z0-9]+)>\[([0-9]+(?:,[0-9]+)*)\]$")
 _ARRAY_KINDS = "iuf"  # numpy dtype kinds an array field may have
+#: Arrow numeric type -> numpy dtype (the names are numpy's). Used instead of pyarrow's
+#: `to_numpy`/`to_pandas_dtype`, which import pandas on first use: 0.25 s and ~40 MiB in every
+#: process that reads a shard (a loader's workers included) for nothing we need.
+_NUMPY_DTYPES: dict[pa.DataType, np.dtype] = {
+    t: np.dtype(n) for n, t in _SCALARS.items() if n in _INT_NAMES or n in _FLOAT_NAMES}
 
 
 # -- names <-> Arrow types ---------------------------------------------------------------------
@@ -121,7 +127,9 @@ def parse_struct_type(name: str) -> dict[str, str] | None:
 def type_name(dtype: pa.DataType) -> str:
     """The index type name of an Arrow type (inverse of `arrow_type` for writable types)."""
     if isinstance(dtype, pa.FixedShapeTensorType):
-        value = np.dtype(dtype.value_type.to_pandas_dtype())
+        value = _NUMPY_DTYPES.get(dtype.value_type)
+        if value is None:  # not writable by us; pyarrow knows (and imports pandas for it)
+            value = np.dtype(dtype.value_type.to_pandas_dtype())
         return array_type_name(value, tuple(dtype.shape))
     if pa.types.is_large_binary(dtype) or pa.types.is_binary(dtype):
         return "binary"
@@ -272,21 +280,42 @@ def column_reader(array: pa.Array) -> Callable[[np.ndarray], list[Any]]:
     dtype = array.type
     if array.null_count == 0:
         if isinstance(dtype, pa.FixedShapeTensorType):
-            tensors = array.to_numpy_ndarray()
+            tensors = _tensor_view(array)
             return lambda rows: list(tensors[rows])
         large = pa.types.is_large_binary(dtype) or pa.types.is_large_string(dtype)
         if large or pa.types.is_binary(dtype) or pa.types.is_string(dtype):
             return _varlen_reader(array, large, text=pa.types.is_string(dtype)
                                   or pa.types.is_large_string(dtype))
-        if pa.types.is_integer(dtype) or pa.types.is_floating(dtype):
-            values = array.to_numpy(zero_copy_only=True)
+        if dtype in _NUMPY_DTYPES:
+            values = numeric_view(array)
             return lambda rows: values[rows].tolist()
-        if pa.types.is_fixed_size_list(dtype) and (
-            pa.types.is_integer(dtype.value_type) or pa.types.is_floating(dtype.value_type)
-        ) and array.values.null_count == 0:
-            matrix = array.flatten().to_numpy(zero_copy_only=True).reshape(len(array), dtype.list_size)
+        if pa.types.is_fixed_size_list(dtype) and dtype.value_type in _NUMPY_DTYPES \
+                and array.values.null_count == 0:
+            matrix = numeric_view(array.flatten()).reshape(len(array), dtype.list_size)
             return lambda rows: list(matrix[rows])
     return lambda rows: array.take(pa.array(rows, type=pa.int64())).to_pylist()
+
+
+def numeric_view(array: pa.Array) -> np.ndarray:
+    """A zero-copy, read-only numpy view of a numeric Arrow array without nulls (int*, uint*,
+    float*): what `array.to_numpy(zero_copy_only=True)` gives, without importing pandas."""
+    dtype = _NUMPY_DTYPES[array.type]
+    data = array.buffers()[1]
+    if data is None or not len(array):
+        return np.empty(0, dtype=dtype)
+    return np.frombuffer(data, dtype=dtype, count=len(array), offset=array.offset * dtype.itemsize)
+
+
+def _tensor_view(array: pa.ExtensionArray) -> np.ndarray:
+    """Rows of a fixed-shape tensor array as one numpy array (rows, *shape), zero-copy where
+    the layout allows (row-major, numeric, no nulls), else pyarrow's `to_numpy_ndarray`."""
+    dtype = array.type
+    storage = array.storage
+    permutation = dtype.permutation
+    plain = permutation is None or list(permutation) == list(range(len(dtype.shape)))
+    if not plain or dtype.value_type not in _NUMPY_DTYPES or storage.values.null_count:
+        return array.to_numpy_ndarray()
+    return numeric_view(storage.flatten()).reshape(len(array), *dtype.shape)
 
 
 def _varlen_reader(array: pa.Array, large: bool, text: bool) -> Callable[[np.ndarray], list[Any]]:
@@ -381,7 +410,7 @@ def gather_rows(
         return read_group(0, rows)
     groups = np.searchsorted(offsets, rows, side="right") - 1
     out: list[Any] = [None] * len(rows)
-    for group in np.unique(groups).tolist():
+    for group in sorted_unique(groups).tolist():
         positions = np.flatnonzero(groups == group)
         for pos, record in zip(positions.tolist(), read_group(group, rows[positions] - offsets[group])):
             out[pos] = record

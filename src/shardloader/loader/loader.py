@@ -35,6 +35,7 @@ from shardloader.loader.mapstyle import (
     as_loader_dataset,
 )
 from shardloader.loader.plan import StepPlan
+from shardloader.loader.startup import gc_paused, paused_gc
 from shardloader.loader.state import fingerprint_differences, make_state, validate_state
 from shardloader.loader.workers import CLOSE_SECONDS, make_pool
 from shardloader.order.partition import (
@@ -107,6 +108,7 @@ class Loader:
     `__del__` never waits. Worker processes die with the training process, by any signal.
     """
 
+    @gc_paused  # no full collection on the path to the first batch (see loader.startup)
     def __init__(
         self,
         dataset: Any,
@@ -416,8 +418,10 @@ def _make_stats() -> Any:
 class _EpochIterator:
     """Iterates the rest of one epoch for one rank; updates the loader's cursor per batch."""
 
+    @gc_paused  # starts the workers: on the path to the first batch (see loader.startup)
     def __init__(self, loader: Loader, generation: int) -> None:
         self.loader = loader
+        self.delivered = False  # no batch yet: the first __next__ runs under paused_gc
         self.generation = generation
         self.epoch = loader._epoch
         self.steps = len(loader)
@@ -483,6 +487,14 @@ class _EpochIterator:
         return self
 
     def __next__(self) -> Any:
+        if self.delivered:
+            return self._next()
+        with paused_gc():  # the wait for the first batch (see loader.startup)
+            batch = self._next()
+        self.delivered = True
+        return batch
+
+    def _next(self) -> Any:
         loader = self.loader
         if self.generation != loader._generation:
             raise RuntimeError("this iterator is stale: the loader was re-iterated, reloaded or closed")

@@ -1,0 +1,333 @@
+"""Memory (peak RSS and PSS over the whole process tree) and local first-batch latency:
+shardloader's `Loader` against torch's `DataLoader` on the same images and the same work.
+
+The work is `benchmarks.peers`' (same JPEGs from `benchmarks/_images.py`, `DecodeCropFlip(112)`
+per sample, batch 64, 2 workers, shuffled): shardloader reads the Arrow shards, DataLoader the
+image files. Each run is a fresh Python process (so one loader's imports never count for the
+other) that imports torch and the loader's top-level module, then times construction -> first
+batch, then consumes `--batches` batches (default: the whole epoch) and exits. This process
+samples every process of that run's tree (the run's main process and each worker) every
+`--interval` seconds from /proc/<pid>/smaps_rollup, outside the measured tree:
+
+* peak RSS and peak PSS of the tree: the maximum over samples of the sum over its processes.
+  RSS counts a page shared by N processes N times (file-backed mmaps of shards, the
+  copy-on-write pages a forked worker shares with its parent); PSS counts 1/N of it in each,
+  so the tree's PSS is what the run really costs the machine;
+* per process (role main / worker i): peak RSS and PSS, and PSS split into anonymous (heap,
+  Python objects), file-backed (shared libraries, mapped shards) and shmem (shared-memory batch
+  slots; torch's shared tensors), plus VmHWM (the kernel's own RSS high-water mark, which sees
+  peaks between samples), threads, and which heavy libraries the process has mapped.
+
+Sampling starts once the run's first batch is out (reading smaps_rollup slows the target's
+start: see `_measure`); VmHWM still covers the start, and the peaks come later anyway.
+
+Runs alternate between the loaders (A B, B A, ...) so that load from other processes on the
+shared machine hits both alike; the table gives medians over `--rounds` rounds.
+
+    python -m benchmarks.memory                      # 20k images, whole epoch, 3 rounds
+    python -m benchmarks.memory --n 5000 --batches 40 --rounds 5
+    python -m benchmarks.memory --only shardloader --rounds 1   # one loader's breakdown
+    python -m benchmarks.memory --baseline-src /tmp/old/src     # also shardloader from there
+
+`--baseline-src` adds a third loader: shardloader imported from another source tree (e.g. a
+`git archive` of an older commit), so a change is measured before/after in the same run.
+
+`run(...)` returns the figures as a dict for other benchmark scripts (see `benchmarks.run_all`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from benchmarks._common import load_average, machine, table
+
+LOADERS = ("shardloader", "dataloader")
+LABELS = {"shardloader": "shardloader Loader (Arrow)", "dataloader": "torch DataLoader (files)",
+          "baseline": "shardloader Loader, --baseline-src"}
+#: Libraries whose shared objects in a process's address space tell what it imported.
+_LIBRARIES = ("pandas", "cv2", "pyarrow", "mlflow", "simplejpeg", "PIL", "numpy", "torch",
+              "scipy", "sqlalchemy", "xxhash", "fsspec")
+_ROLLUP_FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem")
+_MIB = 1024.0  # smaps values are in kB
+
+
+# -- the measured process ---------------------------------------------------------------------
+
+
+def _child(which: str, n: int, batches: int, workers: int) -> None:
+    """One measured run (in its own process): prints a JSON line with its timings."""
+    import torch  # noqa: F401 - what a training script has imported before it builds a loader
+
+    from benchmarks import peers
+    from benchmarks._images import prepare_images
+
+    images = prepare_images(n, log=lambda _: None)
+    peers.WORKERS = workers
+    if which == "shardloader":
+        from shardloader import Dataset, Loader  # noqa: F401 - top-level names, loaded now
+
+        peer = peers.shardloader_peer(images)
+    else:
+        peer = peers.dataloader_peer(images)
+    _mark("start")
+    start = time.perf_counter()
+    loader = peer.make()
+    it = iter(loader)
+    next(it)
+    first = time.perf_counter() - start
+    _mark("first")
+    count = 1
+    t1 = time.perf_counter()
+    for _ in it:
+        count += 1
+        if batches and count >= batches:
+            break
+    rest = time.perf_counter() - t1
+    _mark("end")
+    del it
+    peer.close(loader)
+    print(json.dumps({"first_batch_s": first, "batches": count, "rest_s": rest}), flush=True)
+
+
+def _mark(what: str) -> None:
+    """Tell the sampling process which phase the run is in (a line on stderr)."""
+    print(f"@phase {what}", file=sys.stderr, flush=True)
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _rollup(pid: int) -> dict[str, int] | None:
+    """Rss/Pss fields (kB) of /proc/<pid>/smaps_rollup, or None once the process is gone."""
+    values: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in _ROLLUP_FIELDS:
+                    values[name] = int(rest.split()[0])
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmHWM:", "Threads:")):
+                    name, rest = line.split(":", 1)
+                    values[name] = int(rest.split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return values if "Rss" in values else None
+
+
+def _libraries(pid: int) -> list[str]:
+    """Which of `_LIBRARIES` have shared objects mapped into process `pid`."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            text = f.read()
+    except OSError:
+        return []
+    found = []
+    for lib in _LIBRARIES:
+        if f"/{lib}/" in text or f"/{lib}." in text or f"/lib{lib}" in text:
+            found.append(lib)
+    return found
+
+
+@dataclass
+class ProcessPeak:
+    role: str
+    peak: dict[str, int] = field(default_factory=dict)
+    libraries: list[str] = field(default_factory=list)
+
+    def update(self, values: dict[str, int]) -> None:
+        for k, v in values.items():
+            self.peak[k] = max(self.peak.get(k, 0), v)
+
+
+@dataclass
+class RunResult:
+    which: str
+    first_batch_s: float
+    batches: int
+    rest_s: float
+    peak_rss_mib: float
+    peak_pss_mib: float
+    processes: list[ProcessPeak]
+    samples: int
+
+
+def _measure(which: str, n: int, batches: int, workers: int, interval: float,
+             baseline_src: str | None = None) -> RunResult:
+    """Run one measured process and sample its tree until it exits."""
+    child = "shardloader" if which == "baseline" else which
+    cmd = [sys.executable, "-m", "benchmarks.memory", "--child", child, "--n", str(n),
+           "--batches", str(batches), "--workers", str(workers)]
+    # Bytecode caches as an installed package has them (a dev shell that sets
+    # PYTHONDONTWRITEBYTECODE would have every run compile shardloader's sources again).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    if which == "baseline":
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(baseline_src or ""), root])
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**env, "PYTHONUNBUFFERED": "1"})
+    # The child's stderr is read on a thread: its phase marks tell when the first batch is out.
+    # Sampling starts only then: reading smaps_rollup takes the target's mmap lock, and at 50 Hz
+    # over three processes it slowed the forks and library loads of the start (first batch
+    # 0.26-0.53 s sampled, ~0.17 s not). The run's peaks come later, as the workers read.
+    err_lines: list[str] = []
+    first_out = threading.Event()
+
+    def read_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            err_lines.append(line)
+            if line.startswith("@phase first"):
+                first_out.set()
+        first_out.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    roles: dict[int, ProcessPeak] = {}
+    peak_rss = peak_pss = 0
+    samples = 0
+    first_out.wait()
+    while proc.poll() is None:
+        total_rss = total_pss = 0
+        tree = [(proc.pid, "main")] + [(c, "") for c in _children(proc.pid)]
+        seen = 0
+        for pid, role in tree:
+            values = _rollup(pid)
+            if values is None:
+                continue
+            seen += 1
+            entry = roles.get(pid)
+            if entry is None:
+                entry = roles[pid] = ProcessPeak(role or f"worker {len(roles) - 1}")
+            entry.update(values)
+            if samples % 10 == 0 or not entry.libraries:
+                entry.libraries = _libraries(pid) or entry.libraries
+            total_rss += values["Rss"]
+            total_pss += values.get("Pss", 0)
+        if seen:
+            samples += 1
+            peak_rss, peak_pss = max(peak_rss, total_rss), max(peak_pss, total_pss)
+        time.sleep(interval)
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    proc.wait()
+    reader.join(10)
+    err = "".join(err_lines)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{which} run failed (exit {proc.returncode}):\n{err[-3000:]}")
+    figures = json.loads(out.strip().splitlines()[-1])
+    return RunResult(which, figures["first_batch_s"], figures["batches"], figures["rest_s"],
+                     peak_rss / _MIB, peak_pss / _MIB, list(roles.values()), samples)
+
+
+# -- the report -------------------------------------------------------------------------------
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _breakdown(result: RunResult) -> str:
+    rows = []
+    for p in result.processes:
+        k = p.peak
+        rows.append([p.role, k.get("Rss", 0) / _MIB, k.get("Pss", 0) / _MIB,
+                     k.get("Pss_Anon", 0) / _MIB, k.get("Pss_File", 0) / _MIB,
+                     k.get("Pss_Shmem", 0) / _MIB, k.get("VmHWM", 0) / _MIB, k.get("Threads", 0),
+                     " ".join(p.libraries) or "-"])
+    return table(["process", "peak RSS MiB", "peak PSS MiB", "PSS anon", "PSS file", "PSS shmem",
+                  "VmHWM MiB", "threads", "libraries mapped"], rows)
+
+
+def run(n: int = 20_000, *, batches: int = 0, rounds: int = 3, workers: int = 2,
+        interval: float = 0.02, only: list[str] | None = None, baseline_src: str | None = None,
+        log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Measure, print the table and the per-process breakdown, and return the figures."""
+    from benchmarks._images import describe, prepare_images
+
+    images = prepare_images(n, log=log)
+    names = [w for w in LOADERS if not only or w in only] + (["baseline"] if baseline_src else [])
+    log(f"{describe(images)}; {machine()}; {load_average()}")
+    log(f"work: DecodeCropFlip(112), batch 64, {workers} workers, "
+        f"{'whole epoch' if not batches else f'{batches} batches'}; {rounds} alternating rounds")
+    runs: dict[str, list[RunResult]] = {w: [] for w in names}
+    for r in range(rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for which in order:
+            result = _measure(which, n, batches, workers, interval, baseline_src)
+            runs[which].append(result)
+            log(f"  round {r + 1} {which}: first batch {result.first_batch_s:.3f} s, peak RSS "
+                f"{result.peak_rss_mib:,.0f} MiB (PSS {result.peak_pss_mib:,.0f}), "
+                f"{result.batches} batches, {result.samples} samples of the tree")
+    rows, figures = [], {}
+    for which in names:
+        rs = runs[which]
+        f = {"first_batch_s": _median([x.first_batch_s for x in rs]),
+             "peak_rss_mib": _median([x.peak_rss_mib for x in rs]),
+             "peak_pss_mib": _median([x.peak_pss_mib for x in rs]),
+             "first_batch_all": [round(x.first_batch_s, 4) for x in rs]}
+        figures[which] = f
+        rows.append([LABELS[which], f["peak_rss_mib"], f["peak_pss_mib"], f["first_batch_s"],
+                     " ".join(f"{x:.3f}" for x in f["first_batch_all"])])
+    log("")
+    log(table(["loader", "peak RSS MiB (tree)", "peak PSS MiB (tree)", "first batch s (median)",
+               "first batch s (runs)"], rows))
+    for mine in ("shardloader", "baseline"):
+        if mine in figures and "dataloader" in figures:
+            a, b = figures[mine], figures["dataloader"]
+            log(f"\n{LABELS[mine]} / DataLoader: peak RSS {a['peak_rss_mib'] / b['peak_rss_mib']:.2f}x, "
+                f"peak PSS {a['peak_pss_mib'] / b['peak_pss_mib']:.2f}x, first batch "
+                f"{a['first_batch_s'] / b['first_batch_s']:.2f}x")
+    for which in names:
+        log(f"\n{LABELS[which]}, per process (last round; peaks over the run):\n")
+        log(_breakdown(runs[which][-1]))
+    log(f"\n{load_average()}")
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, default=20_000, help="images in the set")
+    parser.add_argument("--batches", type=int, default=0, help="batches per run (0: whole epoch)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--interval", type=float, default=0.02, help="seconds between samples")
+    parser.add_argument("--only", nargs="*", choices=LOADERS)
+    parser.add_argument("--baseline-src", help="also run shardloader imported from this src folder")
+    parser.add_argument("--child", choices=LOADERS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args.child, args.n, args.batches, args.workers)
+        return
+    run(args.n, batches=args.batches, rounds=args.rounds, workers=args.workers,
+        interval=args.interval, only=args.only, baseline_src=args.baseline_src)
+
+
+if __name__ == "__main__":
+    main()
