@@ -328,15 +328,17 @@ for step, batch in enumerate(loader, 1):
 
 
 def _read_until(proc: subprocess.Popen, prefix: str, count: int, timeout: float) -> list[str]:
-    """Lines starting with `prefix` from proc's stdout, `count` of them, within `timeout`."""
+    """Messages starting with `prefix` from proc's stdout, `count` of them, within `timeout`.
+
+    Several processes (torchrun's ranks) share one pipe, so two messages can arrive on one
+    line; each occurrence of `prefix` starts a message."""
     found: list[str] = []
     deadline = time.monotonic() + timeout
     while len(found) < count:
         line = _readline(proc, max(0.0, deadline - time.monotonic()))
         if not line:
             raise AssertionError(f"no {count} {prefix!r} lines within {timeout} s (rc={proc.poll()}): {found}")
-        if line.startswith(prefix):
-            found.append(line.strip())
+        found.extend(prefix + rest.rstrip() for rest in line.split(prefix)[1:])
     return found
 
 
