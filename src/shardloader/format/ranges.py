@@ -30,6 +30,11 @@ Sidecar layout (little-endian)::
     | int64[spans, 2] (offset, length) | uint64[spans] xxh3-64 | int64[groups + 1] first rows
     | int64[groups + 1] group_ptr | int64[group_refs] group span ids
     | int64[rows + 1] row_ptr | int64[row_refs] row span ids
+    | the bytes of the inline spans (header "inline": their ids), concatenated
+
+Small spans (schemas, footers, batch metadata, offsets entries, fixed-width values; see
+`INLINE_BYTES`) are kept in the sidecar itself, so that a read by range fetches only the
+rows' large values, in as few requests as possible.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -49,6 +54,11 @@ from shardloader.format.checksum import checksum_bytes
 RANGES_KEY = "ranges"  # the shard index entry's key describing the sidecar
 RANGES_SUFFIX = ".ranges"
 _MAGIC = b"SLRNG1\n\0"
+#: Shared and group spans (headers, footers, batch metadata) of at most this many bytes, and
+#: row spans (offsets entries, fixed-width values) of at most `INLINE_ROW_BYTES`, are kept in
+#: the sidecar (see `RangeTable.inline`); a row's large values never are.
+INLINE_BYTES = 4096
+INLINE_ROW_BYTES = 16
 
 
 def ranges_path(shard_path: str) -> str:
@@ -87,6 +97,9 @@ class RangeTable:
     group_ids: np.ndarray
     row_ptr: np.ndarray
     row_ids: np.ndarray
+    #: Bytes of small spans kept in the sidecar itself (span id -> bytes): the headers, footers,
+    #: offsets entries and fixed-width values a read needs cost no request of their own.
+    inline: Mapping[int, bytes] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -112,18 +125,21 @@ class RangeTable:
 
     # -- sidecar bytes ----------------------------------------------------------------------------
     def encode(self) -> bytes:
+        inline_ids = sorted(self.inline)
+        blob = b"".join(bytes(self.inline[i]) for i in inline_ids)
         header = json.dumps({
             "format": self.format, "shard_bytes": self.shard_bytes, "rows": self.rows,
             "groups": len(self.group_rows) - 1, "spans": len(self.spans),
             "group_refs": len(self.group_ids), "row_refs": len(self.row_ids),
-            "shared": [int(i) for i in self.shared],
+            "shared": [int(i) for i in self.shared], "inline": inline_ids,
         }, separators=(",", ":")).encode()
         arrays = (
             np.ascontiguousarray(self.spans, dtype="<i8"), np.ascontiguousarray(self.hashes, dtype="<u8"),
             *(np.ascontiguousarray(a, dtype="<i8") for a in (
                 self.group_rows, self.group_ptr, self.group_ids, self.row_ptr, self.row_ids)),
         )
-        return _MAGIC + struct.pack("<Q", len(header)) + header + b"".join(a.tobytes() for a in arrays)
+        return (_MAGIC + struct.pack("<Q", len(header)) + header
+                + b"".join(a.tobytes() for a in arrays) + blob)
 
     @classmethod
     def decode(cls, data: bytes, *, where: str) -> RangeTable:
@@ -137,19 +153,29 @@ class RangeTable:
             fmt, size, rows, groups = str(h["format"]), int(h["shard_bytes"]), int(h["rows"]), int(h["groups"])
             k, grefs, rrefs = int(h["spans"]), int(h["group_refs"]), int(h["row_refs"])
             shared = np.asarray([int(i) for i in h["shared"]], dtype=np.int64)
+            inline_ids = [int(i) for i in h.get("inline", [])]
         except (ValueError, KeyError, TypeError) as e:
             raise ShardError(f"{where}: malformed range sidecar header ({e})") from None
         counts = (2 * k, k, groups + 1, groups + 1, grefs, rows + 1, rrefs)
         body = memoryview(data)[prefix + header_len:]
-        if min(counts) < 0 or len(body) != 8 * sum(counts):
+        if min(counts) < 0 or len(body) < 8 * sum(counts) or any(not 0 <= i < k for i in inline_ids):
             raise ShardError(f"{where}: range sidecar is truncated or inconsistent")
         out, pos = [], 0
         for n, dtype in zip(counts, ("<i8", "<u8", "<i8", "<i8", "<i8", "<i8", "<i8")):
             out.append(np.frombuffer(body[pos:pos + 8 * n], dtype=dtype).astype(dtype[1:]))
             pos += 8 * n
         spans = out[0].reshape(k, 2)
-        table = cls(fmt, size, spans, out[1], shared, *out[2:])
+        inline: dict[int, bytes] = {}
+        for i in inline_ids:
+            n = int(spans[i, 1])
+            inline[i] = bytes(body[pos:pos + n])
+            pos += n
+        if pos != len(body):
+            raise ShardError(f"{where}: range sidecar is truncated or inconsistent")
+        table = cls(fmt, size, spans, out[1], shared, *out[2:], inline=inline)
         table._check(where)
+        if any(span_hash(data) != int(table.hashes[i]) for i, data in inline.items()):
+            raise ShardError(f"{where}: range sidecar's inline bytes do not match their hashes")
         return table
 
     def _check(self, where: str) -> None:
@@ -195,8 +221,13 @@ class _Builder:
 
         group_ptr, group_ids = _csr([clean(g) for g in groups])
         row_ptr, row_ids = _csr([clean(r) for r in rows])
+        structural = set(clean(shared)).union(*(clean(g) for g in groups))
+        small = [i for i, (_, n) in enumerate(spans.tolist())
+                 if n <= (INLINE_BYTES if i in structural else INLINE_ROW_BYTES)]
+        inline = {i: bytes(self.data[spans[i, 0]:spans[i, 0] + spans[i, 1]]) for i in small}
         return RangeTable(fmt, len(self.data), spans, hashes, np.asarray(clean(shared), dtype=np.int64),
-                          np.asarray(group_rows, dtype=np.int64), group_ptr, group_ids, row_ptr, row_ids)
+                          np.asarray(group_rows, dtype=np.int64), group_ptr, group_ids, row_ptr, row_ids,
+                          inline)
 
 
 # -- building: Arrow IPC -----------------------------------------------------------------------

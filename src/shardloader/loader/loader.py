@@ -435,7 +435,12 @@ class _EpochIterator:
             self._submit_next()
         counters = getattr(loader._data.source, "counters", None)
         self._counters_at_start = counters() if counters is not None else {}
-        self.prefetch_handle = self._start_prefetch()
+        # A source that reads the first batches' rows by byte range starts whole-shard prefetch
+        # once the first batch is out, so that its downloads do not compete with those reads
+        # (bandwidth, connections, CPU) for the batch a cold start waits for.
+        defer = getattr(loader._data.source, "defers_prefetch", None)
+        self._defer_prefetch = bool(defer(loader._data.index)) if defer is not None else False
+        self.prefetch_handle = None if self._defer_prefetch else self._start_prefetch()
         self.finished = False
 
     def _submit_next(self) -> None:
@@ -498,6 +503,9 @@ class _EpochIterator:
             self._finish(error=True)
             raise
         self._submit_next()
+        if self._defer_prefetch:
+            self._defer_prefetch = False
+            self.prefetch_handle = self._start_prefetch()
         if loader.pin_memory:
             batch = pin(batch)
         fetch_seconds = time.perf_counter() - start

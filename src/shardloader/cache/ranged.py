@@ -1,0 +1,301 @@
+"""Reading rows of shards the node cache does not hold yet, by byte range.
+
+With a cold cache, the first batches would wait for every shard they draw from to download
+whole (partitions x window shards: 16 with the defaults). Instead, a reader that needs rows of
+a shard not yet in the cache fetches just the byte spans those rows live in (see
+`shardloader.format.ranges`), for all shards of a batch in one concurrent round of requests,
+while the prefetcher downloads whole shards behind it. Once a shard is whole and verified in the
+cache, readers use the cache as before; the cache still ends with whole, verified shards (I6).
+
+Per batch that is two rounds of requests at most: the shards' range sidecars (once per shard
+and process, kept in memory) and the spans. Spans of one shard that lie close together
+(`gap` bytes apart or less) are fetched as one request: on object stores a request costs far
+more than a few kB of transfer.
+
+Verification. A sidecar must match its index entry (size, checksum) and every span its xxh3-64
+in the sidecar. A span that does not match is fetched once more (a body damaged in transit);
+if it still does not match, the remote object is not the one the index describes, and the read
+is a `ChecksumMismatch` naming the shard's URL and the byte range: never wrong rows. A sidecar
+that is missing or does not verify is a warning, and that shard is read whole, as before.
+
+Bounds. Per process and shard, reads by range fetch at most `budget` (a fraction of the shard's
+size); a read that would pass it waits for the whole shard instead, so range reads cost at most
+that fraction on top of the whole download, whatever the prefetcher does.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shardloader.cache.fetch import FetchStats, RangeRequest, RetryPolicy, read_ranges
+from shardloader.errors import ChecksumMismatch, ShardloaderError, UnsafePathError
+from shardloader.format.checksum import checksum_bytes, parse_checksum
+from shardloader.format.index import ShardInfo
+from shardloader.format.paths import join_url, safe_relative_path
+from shardloader.format.ranges import RANGES_KEY, RangeTable, rows_from_spans, span_hash
+
+log = logging.getLogger(__name__)
+
+#: Spans of one shard at most this far apart are fetched in one request.
+DEFAULT_GAP = 64 << 10
+#: One request covers at most this many bytes (spans are never split).
+_MAX_REQUEST = 8 << 20
+
+
+@dataclass
+class _ShardState:
+    table: RangeTable
+    tar: Any  # TarOffsets of a tar shard, else None
+    kept: dict[int, bytes] = field(default_factory=dict)  # shared and group spans fetched
+    spent: int = 0  # bytes fetched by range in this process
+
+
+@dataclass
+class RangeCounters:
+    reads: int = 0  # shard reads served by range
+    bytes: int = 0  # bytes received by range (sidecars included)
+    requests: int = 0
+    seconds: float = 0.0
+
+
+def coalesce(spans: np.ndarray, gap: int) -> list[tuple[int, int, list[int]]]:
+    """Requests (lo, hi, span positions) covering `spans` (int64 [n, 2] offset, length), each
+    joining spans at most `gap` bytes apart, up to `_MAX_REQUEST` bytes."""
+    order = np.argsort(spans[:, 0], kind="stable")
+    out: list[tuple[int, int, list[int]]] = []
+    for i in order.tolist():
+        lo, n = spans[i].tolist()
+        hi = lo + n
+        if out and lo - out[-1][1] <= gap and max(hi, out[-1][1]) - out[-1][0] <= _MAX_REQUEST:
+            prev = out[-1]
+            out[-1] = (prev[0], max(prev[1], hi), prev[2] + [i])
+        else:
+            out.append((lo, hi, [i]))
+    return out
+
+
+class RangeReads:
+    """One process's reads by range. Thread-safe; `read` may run in many threads at once."""
+
+    def __init__(
+        self,
+        filesystem: Callable[[], tuple[Any, str]],
+        root: str,
+        *,
+        policy: RetryPolicy,
+        gap: int = DEFAULT_GAP,
+        budget: float = 0.5,
+        max_shards: int = 64,
+    ) -> None:
+        self._filesystem = filesystem
+        self.root = root
+        self.policy = policy
+        self.gap = gap
+        self.budget = budget
+        self.max_shards = max_shards
+        self.counters = RangeCounters()
+        self._rng = random.Random()
+        self._lock = threading.Lock()
+        self._shards: OrderedDict[str, _ShardState | None] = OrderedDict()  # None: read whole
+
+    # -- public --------------------------------------------------------------------------------
+    def read(self, wanted: Sequence[tuple[ShardInfo, np.ndarray]]) -> dict[int, list[dict[str, Any]]]:
+        """Records of the rows of each (shard, rows) in `wanted` that can be read by range, by
+        position in `wanted`; shards left out are to be read whole."""
+        states = self._states([info for info, _ in wanted])
+        plans: list[tuple[int, ShardInfo, np.ndarray, _ShardState, np.ndarray]] = []
+        with self._lock:
+            for pos, (info, rows) in enumerate(wanted):
+                state = states.get(info.path)
+                if state is None:
+                    continue
+                ids = state.table.needed(rows)
+                have = state.table.inline
+                missing = np.asarray([i for i in ids.tolist() if i not in state.kept and i not in have],
+                                     dtype=np.int64)
+                cost = state.table.needed_bytes(missing)
+                if state.spent + cost > self.budget * info.bytes:
+                    continue  # reading on by range would cost more than waiting for the shard
+                state.spent += cost
+                plans.append((pos, info, np.asarray(rows, dtype=np.int64), state, missing))
+        if not plans:
+            return {}
+        fetched = self._fetch_spans([(info, state.table, missing) for _, info, _, state, missing in plans])
+        out: dict[int, list[dict[str, Any]]] = {}
+        for (pos, info, rows, state, _), spans in zip(plans, fetched):
+            keep = set(state.table.shared.tolist())
+            groups = np.unique(state.table.groups_of(rows)).tolist()
+            for g in groups:
+                keep.update(state.table.group_ids[state.table.group_ptr[g]:state.table.group_ptr[g + 1]].tolist())
+            with self._lock:
+                for i in keep.intersection(spans):
+                    state.kept[i] = spans[i]
+                have = {**state.table.inline, **state.kept, **spans}
+                self.counters.reads += 1
+            out[pos] = rows_from_spans(state.table, have, rows, where=self._url(info.path),
+                                       tar_offsets=state.tar)
+        return out
+
+    # -- sidecars ------------------------------------------------------------------------------
+    def _url(self, relative: str) -> str:
+        return join_url(self.root, relative)
+
+    def _states(self, infos: Sequence[ShardInfo]) -> dict[str, _ShardState | None]:
+        """Each shard's range table (fetching the sidecars not yet loaded, all in one round)."""
+        with self._lock:
+            known = {info.path: self._shards[info.path] for info in infos if info.path in self._shards}
+            for path in known:
+                self._shards.move_to_end(path)
+        todo = [info for info in infos if info.path not in known]
+        if not todo:
+            return known
+        wanted: list[tuple[ShardInfo, str, str, int, str]] = []  # info, kind, relative, bytes, checksum
+        for info in {i.path: i for i in todo}.values():
+            entries = _sidecars(info)
+            if entries is None:
+                self._remember(info.path, None)
+                known[info.path] = None
+                continue
+            wanted += [(info, kind, rel, size, checksum) for kind, (rel, size, checksum) in entries.items()]
+        if wanted:
+            fs, base = self._filesystem()
+            requests = [RangeRequest(join_url(base, rel) if base else rel, self._url(rel), 0, size, size)
+                        for _, _, rel, size, _ in wanted]
+            try:
+                data, stats = read_ranges(fs, requests, policy=self.policy, rng=self._rng)
+            except ShardloaderError as e:
+                warnings.warn(f"range sidecars not readable ({e}); reading those shards whole", stacklevel=4)
+                data, stats = [b""] * len(wanted), FetchStats()
+            self._count(stats, len(requests))
+            loaded: dict[str, dict[str, bytes]] = {}
+            for (info, kind, rel, size, checksum), blob in zip(wanted, data):
+                if len(blob) == size and checksum_bytes(blob, parse_checksum(checksum)[0]) == checksum:
+                    loaded.setdefault(info.path, {})[kind] = blob
+                elif blob or size == 0:
+                    warnings.warn(f"{self._url(rel)}: sidecar does not match its index entry (size or "
+                                  "checksum); reading the shard whole", stacklevel=4)
+            for info in {i.path: i for i, *_ in wanted}.values():
+                state = self._decode(info, loaded.get(info.path, {}))
+                self._remember(info.path, state)
+                known[info.path] = state
+        return known
+
+    def _decode(self, info: ShardInfo, blobs: dict[str, bytes]) -> _ShardState | None:
+        if "ranges" not in blobs or (info.format == "tar" and "offsets" not in blobs):
+            return None
+        where = self._url(info.path)
+        try:
+            table = RangeTable.decode(blobs["ranges"], where=where + ".ranges")
+            tar = None
+            if info.format == "tar":
+                from shardloader.format.tar import TarOffsets
+
+                tar = TarOffsets.decode(blobs["offsets"], where=where + ".idx")
+                if len(tar) != info.samples:
+                    raise ShardloaderError(f"{where}: offsets sidecar lists {len(tar)} samples, "
+                                           f"the index {info.samples}")
+            if table.shard_bytes != info.bytes or table.rows != info.samples or table.format != info.format:
+                raise ShardloaderError(f"{where}.ranges: describes a {table.format} file of "
+                                       f"{table.shard_bytes} bytes and {table.rows} rows, the index a "
+                                       f"{info.format} file of {info.bytes} bytes and {info.samples} rows")
+        except ShardloaderError as e:
+            warnings.warn(f"{e}; reading the shard whole", stacklevel=5)
+            return None
+        return _ShardState(table, tar)
+
+    def _remember(self, path: str, state: _ShardState | None) -> None:
+        with self._lock:
+            self._shards[path] = state
+            self._shards.move_to_end(path)
+            while len(self._shards) > self.max_shards:
+                self._shards.popitem(last=False)
+
+    def forget(self, info: ShardInfo) -> None:
+        """Drop what is kept of `info` (its whole file is in the cache now)."""
+        with self._lock:
+            state = self._shards.get(info.path)
+            if state is not None:
+                state.kept.clear()
+
+    # -- spans ---------------------------------------------------------------------------------
+    def _fetch_spans(self, work: list[tuple[ShardInfo, RangeTable, np.ndarray]]) -> list[dict[int, bytes]]:
+        """For each (shard, table, span ids): the verified bytes of those spans, all shards'
+        requests in one concurrent round (plus one more for spans that did not verify)."""
+        fs, base = self._filesystem()
+        results: list[dict[int, bytes]] = [{} for _ in work]
+        todo = list(range(len(work)))
+        for attempt in range(2):
+            requests: list[RangeRequest] = []
+            owners: list[tuple[int, int, list[int]]] = []  # (work item, lo, span ids)
+            for w in todo:
+                info, table, ids = work[w]
+                ids = np.asarray([i for i in ids.tolist() if i not in results[w]], dtype=np.int64)
+                if not len(ids):
+                    continue
+                rel = join_url(base, info.path) if base else info.path
+                for lo, hi, members in coalesce(table.spans[ids], self.gap):
+                    requests.append(RangeRequest(rel, self._url(info.path), lo, hi, info.bytes))
+                    owners.append((w, lo, [int(ids[m]) for m in members]))
+            if not requests:
+                break
+            data, stats = read_ranges(fs, requests, policy=self.policy, rng=self._rng)
+            self._count(stats, len(requests))
+            bad: list[tuple[int, int, int]] = []  # (work item, offset, length)
+            for (w, lo, ids), blob in zip(owners, data):
+                table = work[w][1]
+                for i in ids:
+                    offset, length = table.spans[i].tolist()
+                    piece = blob[offset - lo:offset - lo + length]
+                    if span_hash(piece) == int(table.hashes[i]):
+                        results[w][i] = piece
+                    else:
+                        bad.append((w, offset, length))
+            if not bad:
+                break
+            if attempt:
+                w, offset, length = bad[0]
+                raise ChecksumMismatch(
+                    f"{self._url(work[w][0].path)}: bytes {offset}-{offset + length - 1} read by range "
+                    f"do not match the hash the index's range sidecar records for them (read twice): "
+                    f"the remote object is not the one that was indexed (changed after indexing?); "
+                    f"refusing to use its rows ({len(bad)} span(s) differ)"
+                )
+            todo = sorted({w for w, _, _ in bad})
+        return results
+
+    def _count(self, stats: FetchStats, requests: int) -> None:
+        with self._lock:
+            self.counters.bytes += stats.bytes_received
+            self.counters.requests += requests
+            self.counters.seconds += stats.seconds
+
+
+def _sidecars(info: ShardInfo) -> dict[str, tuple[str, int, str]] | None:
+    """(relative path, bytes, checksum) of the sidecars a read by range of `info` needs, or None
+    when the index describes none (an index written before range sidecars existed)."""
+    keys = {"ranges": RANGES_KEY} if info.format != "tar" else {"ranges": RANGES_KEY, "offsets": "offsets"}
+    out = {}
+    for kind, key in keys.items():
+        entry = info.extra.get(key)
+        if not isinstance(entry, dict):
+            return None
+        rel, size, checksum = entry.get("path"), entry.get("bytes"), entry.get("checksum")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return None
+        try:
+            rel = safe_relative_path(rel, what=f"{info.path}: {kind} sidecar")
+            parse_checksum(str(checksum))
+        except (UnsafePathError, ValueError) as e:
+            log.warning("%s: not reading by range: %s", info.path, e)
+            return None
+        out[kind] = (rel, size, str(checksum))
+    return out
