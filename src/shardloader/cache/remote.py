@@ -127,13 +127,14 @@ class RemoteSource:
         if not 0 <= range_budget:
             raise ValueError(f"range_budget must be >= 0, got {range_budget}")
         self.range_budget = float(range_budget)
+        self.prefetch_expected = False  # set by a Loader that prefetches whole shards
         self.needs: CacheNeeds | None = None  # set by check_capacity
         self._reset_process_state()
 
     _CONFIG = (
         "root", "storage_options", "cache_dir", "cache_limit", "retry", "chunk_size",
         "parallel_ranges", "prefetch", "prefetch_concurrency", "prefetch_shards", "prefetch_bytes",
-        "full_timeout", "range_reads", "range_gap", "range_budget", "needs",
+        "full_timeout", "range_reads", "range_gap", "range_budget", "prefetch_expected", "needs",
     )
 
     def _reset_process_state(self) -> None:
@@ -232,9 +233,10 @@ class RemoteSource:
         """Records of the rows of each (shard, rows) in `wanted` whose shard the node cache does
         not hold yet, read by byte range (see `shardloader.cache.ranged`), by position in
         `wanted`; the others (cached shards, shards without range sidecars, reads over the
-        budget) are left to `local_path`. Only with prefetch on: the prefetcher is what puts
-        whole shards into the cache behind the range reads."""
-        if not (self.range_reads and self.prefetch) or not wanted:
+        budget) are left to `local_path`. Only under a Loader that prefetches (see
+        `expect_prefetch`): the prefetcher is what puts whole shards into the cache behind the
+        range reads; reads without one (a Dataset used alone) fetch whole shards, as always."""
+        if not (self.range_reads and self.prefetch and self.prefetch_expected) or not wanted:
             return {}
         store = self.store
         todo: list[tuple[int, tuple[ShardInfo, Any]]] = []
@@ -249,6 +251,12 @@ class RemoteSource:
             return {}
         got = self._range_reads().read([item for _, item in todo])
         return {todo[i][0]: records for i, records in got.items()}
+
+    def expect_prefetch(self) -> None:
+        """Called by a Loader before it starts its workers: its prefetcher will download whole
+        shards in order of need, so readers may read rows of shards not yet cached by range
+        meanwhile (the setting travels to worker processes with the dataset)."""
+        self.prefetch_expected = True
 
     def defers_prefetch(self, index: Any) -> bool:
         """Whether the Loader should start prefetch only after the first batch: when every
@@ -323,7 +331,6 @@ class RemoteSource:
         out["range_reads"] = ranged.reads if ranged else 0
         out["range_bytes"] = ranged.bytes if ranged else 0
         out["range_requests"] = ranged.requests if ranged else 0
-        out["bytes_downloaded"] += out["range_bytes"]
         return out
 
     def node_counters(self) -> dict[str, int]:

@@ -426,6 +426,9 @@ class _EpochIterator:
         check = getattr(loader._data, "check_capacity", None)
         if check is not None:  # a cache too small for this configuration fails here, not mid-epoch
             check(num_workers=loader.num_workers)
+        expect = getattr(getattr(loader._data, "source", None), "expect_prefetch", None)
+        if expect is not None:  # before the workers start: the setting travels with the dataset
+            expect()
         self.pool = loader._get_pool()
         self.pool.discard_pending()
         self.in_flight: list[BatchTask] = []
