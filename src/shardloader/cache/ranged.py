@@ -18,6 +18,13 @@ if it still does not match, the remote object is not the one the index describes
 is a `ChecksumMismatch` naming the shard's URL and the byte range: never wrong rows. A sidecar
 that is missing or does not verify is a warning, and that shard is read whole, as before.
 
+Sidecars are shared on the node: a process that fetched and verified one keeps it in
+`<cache_dir>/ranges/<algorithm>-<digest>` (named by its checksum in the index, verified again
+when read), and a Loader fetches the sidecars of the first shards it needs in a background
+thread of the training process while its workers start, so the workers' first batches usually
+need only one round of requests (the spans). These files are small (about 30 bytes per row) and
+are not counted in the cache limit; `shardloader cache prune` leaves them.
+
 Bounds. Per process and shard, reads by range fetch at most `budget` (a fraction of the shard's
 size); a read that would pass it waits for the whole shard instead, so range reads cost at most
 that fraction on top of the whole download, whatever the prefetcher does.
@@ -26,7 +33,9 @@ that fraction on top of the whole download, whatever the prefetcher does.
 from __future__ import annotations
 
 import logging
+import os
 import random
+import tempfile
 import threading
 import warnings
 from collections import OrderedDict
@@ -95,8 +104,10 @@ class RangeReads:
         gap: int = DEFAULT_GAP,
         budget: float = 0.5,
         max_shards: int = 64,
+        sidecar_dir: str | None = None,
     ) -> None:
         self._filesystem = filesystem
+        self.sidecar_dir = sidecar_dir
         self.root = root
         self.policy = policy
         self.gap = gap
@@ -166,28 +177,78 @@ class RangeReads:
                 known[info.path] = None
                 continue
             wanted += [(info, kind, rel, size, checksum) for kind, (rel, size, checksum) in entries.items()]
-        if wanted:
+        loaded: dict[str, dict[str, bytes]] = {}
+        on_disk = [w for w in wanted if self._load_local(w[4], w[3]) is not None]
+        for info, kind, _, size, checksum in on_disk:
+            loaded.setdefault(info.path, {})[kind] = self._load_local(checksum, size)  # type: ignore[assignment]
+        remote = [w for w in wanted if w not in on_disk]
+        if remote:
             fs, base = self._filesystem()
             requests = [RangeRequest(join_url(base, rel) if base else rel, self._url(rel), 0, size, size)
-                        for _, _, rel, size, _ in wanted]
+                        for _, _, rel, size, _ in remote]
             try:
                 data, stats = read_ranges(fs, requests, policy=self.policy, rng=self._rng)
             except ShardloaderError as e:
                 warnings.warn(f"range sidecars not readable ({e}); reading those shards whole", stacklevel=4)
                 data, stats = [b""] * len(wanted), FetchStats()
             self._count(stats, len(requests))
-            loaded: dict[str, dict[str, bytes]] = {}
-            for (info, kind, rel, size, checksum), blob in zip(wanted, data):
+            for (info, kind, rel, size, checksum), blob in zip(remote, data):
                 if len(blob) == size and checksum_bytes(blob, parse_checksum(checksum)[0]) == checksum:
                     loaded.setdefault(info.path, {})[kind] = blob
+                    self._store_local(checksum, blob)
                 elif blob or size == 0:
                     warnings.warn(f"{self._url(rel)}: sidecar does not match its index entry (size or "
                                   "checksum); reading the shard whole", stacklevel=4)
+        if wanted:
             for info in {i.path: i for i, *_ in wanted}.values():
                 state = self._decode(info, loaded.get(info.path, {}))
                 self._remember(info.path, state)
                 known[info.path] = state
         return known
+
+    # -- sidecars shared on the node ---------------------------------------------------------
+    def _local_path(self, checksum: str) -> str | None:
+        if self.sidecar_dir is None:
+            return None
+        algorithm, digest = parse_checksum(checksum)  # validated: hex digest, known algorithm
+        return os.path.join(self.sidecar_dir, f"{algorithm}-{digest}")
+
+    def _load_local(self, checksum: str, size: int) -> bytes | None:
+        """A sidecar another process of the node fetched, if it is there and verifies."""
+        path = self._local_path(checksum)
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                data = f.read(size + 1)
+        except OSError:
+            return None
+        if len(data) != size or checksum_bytes(data, parse_checksum(checksum)[0]) != checksum:
+            return None
+        return data
+
+    def _store_local(self, checksum: str, data: bytes) -> None:
+        """Keep a verified sidecar for the node's other processes (best effort, atomic)."""
+        path = self._local_path(checksum)
+        if path is None or os.path.exists(path):
+            return
+        try:
+            os.makedirs(self.sidecar_dir, mode=0o700, exist_ok=True)  # type: ignore[arg-type]
+            fd, temp = tempfile.mkstemp(dir=self.sidecar_dir, prefix=".part-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(temp, path)
+        except OSError:
+            log.debug("could not keep sidecar %s", path, exc_info=True)
+
+    def warm(self, infos: Sequence[ShardInfo]) -> None:
+        """Load the sidecars of `infos` (from the node, else remotely) and keep them on the node
+        for other processes: a Loader calls this in a background thread of the training process
+        while its workers start, so that their first reads need no sidecar round."""
+        try:
+            self._states(infos)
+        except Exception:  # noqa: BLE001 - an optimisation: readers fetch what they need
+            log.debug("warming range sidecars failed", exc_info=True)
 
     def _decode(self, info: ShardInfo, blobs: dict[str, bytes]) -> _ShardState | None:
         if "ranges" not in blobs or (info.format == "tar" and "offsets" not in blobs):

@@ -258,6 +258,19 @@ class RemoteSource:
         meanwhile (the setting travels to worker processes with the dataset)."""
         self.prefetch_expected = True
 
+    def warm_ranges(self, shard_infos: Iterable[ShardInfo]) -> threading.Thread | None:
+        """Fetch the range sidecars of `shard_infos` (the first shards a Loader needs) in a
+        background thread and keep them on the node for its workers; returns at once."""
+        if not (self.range_reads and self.prefetch):
+            return None
+        infos = [info for info in shard_infos if RANGES_KEY in info.extra]
+        if not infos:
+            return None
+        reads = self._range_reads()
+        thread = threading.Thread(target=reads.warm, args=(infos,), name="shardloader-ranges", daemon=True)
+        thread.start()
+        return thread
+
     def defers_prefetch(self, index: Any) -> bool:
         """Whether the Loader should start prefetch only after the first batch: when every
         shard can be read by range, whole-shard downloads would only compete with the reads
@@ -271,7 +284,8 @@ class RemoteSource:
         with self._lock:
             if self._ranged is None:
                 self._ranged = RangeReads(self._filesystem, self.root, policy=self.retry,
-                                          gap=self.range_gap, budget=self.range_budget)
+                                          gap=self.range_gap, budget=self.range_budget,
+                                          sidecar_dir=os.path.join(self.cache_dir, "ranges"))
             return self._ranged
 
     def release(self, info: ShardInfo) -> None:
