@@ -134,3 +134,16 @@ def test_parquet_entry_sizes(tmp_path):
     table = table_of_file(str(tmp_path / "a.parquet"), "parquet")
     assert table.shard_bytes == info.bytes and table.rows == 3
     assert _by_range(table, str(tmp_path / "a.parquet"), [2, 0]) == [{"x": 3}, {"x": 1}]
+
+
+def test_verify_names_a_damaged_range_sidecar(tmp_path):
+    from shardloader.format.verify import verify_dataset
+
+    index = write_shards(({"v": bytes(i)} for i in range(10)), tmp_path / "ds")
+    assert verify_dataset(str(tmp_path / "ds")) == []
+    sidecar = tmp_path / "ds" / index.shards[0].extra[RANGES_KEY]["path"]
+    data = bytearray(sidecar.read_bytes())
+    data[-1] ^= 0xFF
+    sidecar.write_bytes(bytes(data))
+    problems = verify_dataset(str(tmp_path / "ds"))
+    assert len(problems) == 1 and "shard-00000.arrow.ranges: checksum" in problems[0]
