@@ -117,6 +117,7 @@ class RangeReads:
         self._rng = random.Random()
         self._lock = threading.Lock()
         self._shards: OrderedDict[str, _ShardState | None] = OrderedDict()  # None: read whole
+        self._loading: dict[str, threading.Event] = {}  # sidecars being fetched by a thread
 
     # -- public --------------------------------------------------------------------------------
     def read(self, wanted: Sequence[tuple[ShardInfo, np.ndarray]]) -> dict[int, list[dict[str, Any]]]:
@@ -161,12 +162,36 @@ class RangeReads:
         return join_url(self.root, relative)
 
     def _states(self, infos: Sequence[ShardInfo]) -> dict[str, _ShardState | None]:
-        """Each shard's range table (fetching the sidecars not yet loaded, all in one round)."""
+        """Each shard's range table: loaded already, being loaded by another thread of this
+        process (waited for: the training process's warm-up thread and its reader must not
+        fetch the same sidecars twice), or fetched now, all in one round."""
         with self._lock:
             known = {info.path: self._shards[info.path] for info in infos if info.path in self._shards}
             for path in known:
                 self._shards.move_to_end(path)
-        todo = [info for info in infos if info.path not in known]
+            others = {info.path: self._loading[info.path] for info in infos
+                      if info.path not in known and info.path in self._loading}
+            todo = [info for info in {i.path: i for i in infos}.values()
+                    if info.path not in known and info.path not in others]
+            done = threading.Event()
+            for info in todo:
+                self._loading[info.path] = done
+        try:
+            known.update(self._load(todo))
+        finally:
+            with self._lock:
+                for info in todo:
+                    self._loading.pop(info.path, None)
+            done.set()
+        for path, event in others.items():
+            event.wait(self.policy.deadline)
+            with self._lock:
+                known[path] = self._shards.get(path)
+        return known
+
+    def _load(self, todo: list[ShardInfo]) -> dict[str, _ShardState | None]:
+        """Fetch (or find on the node) and decode the sidecars of `todo`."""
+        known: dict[str, _ShardState | None] = {}
         if not todo:
             return known
         wanted: list[tuple[ShardInfo, str, str, int, str]] = []  # info, kind, relative, bytes, checksum
@@ -178,10 +203,13 @@ class RangeReads:
                 continue
             wanted += [(info, kind, rel, size, checksum) for kind, (rel, size, checksum) in entries.items()]
         loaded: dict[str, dict[str, bytes]] = {}
-        on_disk = [w for w in wanted if self._load_local(w[4], w[3]) is not None]
-        for info, kind, _, size, checksum in on_disk:
-            loaded.setdefault(info.path, {})[kind] = self._load_local(checksum, size)  # type: ignore[assignment]
-        remote = [w for w in wanted if w not in on_disk]
+        remote = []
+        for item in wanted:
+            local = self._load_local(item[4], item[3])
+            if local is None:
+                remote.append(item)
+            else:
+                loaded.setdefault(item[0].path, {})[item[1]] = local
         if remote:
             fs, base = self._filesystem()
             requests = [RangeRequest(join_url(base, rel) if base else rel, self._url(rel), 0, size, size)
@@ -190,7 +218,7 @@ class RangeReads:
                 data, stats = read_ranges(fs, requests, policy=self.policy, rng=self._rng)
             except ShardloaderError as e:
                 warnings.warn(f"range sidecars not readable ({e}); reading those shards whole", stacklevel=4)
-                data, stats = [b""] * len(wanted), FetchStats()
+                data, stats = [b""] * len(remote), FetchStats()
             self._count(stats, len(requests))
             for (info, kind, rel, size, checksum), blob in zip(remote, data):
                 if len(blob) == size and checksum_bytes(blob, parse_checksum(checksum)[0]) == checksum:
