@@ -52,6 +52,9 @@ class Dataset:
     Building a Dataset opens the shards the index lists as empty (a `samples: 0` entry for a
     shard with rows is a ShardError) and refuses an index without samples (DatasetIndexError).
     Idle readers close early when the node cache needs their room.
+    Under a Loader, rows of remote shards not yet in the node cache are read by byte range
+    (verified against the index's range sidecars) while whole shards download behind; see
+    `shardloader.cache.ranged` and docs/cache.md.
     """
 
     def __init__(

@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 DEFAULT_GAP = 64 << 10
 #: One request covers at most this many bytes (spans are never split).
 _MAX_REQUEST = 8 << 20
+#: Shared and group spans (Arrow batch metadata) up to this size are kept for the next reads of
+#: their shard; larger ones (Parquet row groups) are not, to bound memory per process.
+_MAX_KEPT = 1 << 20
 
 
 @dataclass
@@ -150,7 +153,8 @@ class RangeReads:
                 keep.update(state.table.group_ids[state.table.group_ptr[g]:state.table.group_ptr[g + 1]].tolist())
             with self._lock:
                 for i in keep.intersection(spans):
-                    state.kept[i] = spans[i]
+                    if len(spans[i]) <= _MAX_KEPT:  # a Parquet row group is fetched per read
+                        state.kept[i] = spans[i]
                 have = {**state.table.inline, **state.kept, **spans}
                 self.counters.reads += 1
             out[pos] = rows_from_spans(state.table, have, rows, where=self._url(info.path),
@@ -307,13 +311,6 @@ class RangeReads:
             self._shards.move_to_end(path)
             while len(self._shards) > self.max_shards:
                 self._shards.popitem(last=False)
-
-    def forget(self, info: ShardInfo) -> None:
-        """Drop what is kept of `info` (its whole file is in the cache now)."""
-        with self._lock:
-            state = self._shards.get(info.path)
-            if state is not None:
-                state.kept.clear()
 
     # -- spans ---------------------------------------------------------------------------------
     def _fetch_spans(self, work: list[tuple[ShardInfo, RangeTable, np.ndarray]]) -> list[dict[int, bytes]]:

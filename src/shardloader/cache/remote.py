@@ -78,6 +78,9 @@ class RemoteSource:
     shards and `prefetch_bytes` bytes (default: half the cache limit) scheduled but not yet
     opened by a reader; prefetch never takes the room readers need. `full_timeout` is how long
     a reader waits for other processes to release shards before `CacheFullError`.
+    `range_reads` lets readers under a Loader read rows of shards not yet cached by byte range
+    (`range_gap`: spans this close share a request; `range_budget`: at most this fraction of a
+    shard per process, then it is read whole); see `shardloader.cache.ranged`.
     """
 
     def __init__(
