@@ -234,3 +234,19 @@ def test_range_reads_stop_at_the_budget(arrow_dir, s3_server, s3_url, tmp_path):
     counters = remote.source.counters()
     assert 0 < counters["range_reads"] < 50 and counters["downloads"] == 1
     assert counters["range_bytes"] <= 0.2 * remote.index.shards[0].bytes + (64 << 10)  # + sidecars
+
+
+def test_prefetch_waits_for_the_first_batch_only_when_it_reads_by_range(tmp_path):
+    from shardloader.cache.remote import RemoteSource
+
+    arrow = write_shards(make_samples(20), tmp_path / "a", shard_samples=10)
+    source = RemoteSource("s3://bucket/a", cache_dir=str(tmp_path / "cache"), cache_limit="1GB")
+    assert source.defers_prefetch(arrow)
+    source.range_reads = False
+    assert not source.defers_prefetch(arrow)
+    groups = _write(str(tmp_path / "p"), "parquet")  # 10 row groups per file: by range
+    assert source.defers_prefetch(Dataset(groups).index) is False  # range reads are off
+    source.range_reads = True
+    assert source.defers_prefetch(Dataset(groups).index)
+    pq.write_table(pa.table({"data": [b"x"] * 10, "label": list(range(10))}), tmp_path / "p" / "part-9.parquet")
+    assert not source.defers_prefetch(index_dataset(str(tmp_path / "p")))  # one row group: whole

@@ -277,9 +277,19 @@ class RemoteSource:
     def defers_prefetch(self, index: Any) -> bool:
         """Whether the Loader should start prefetch only after the first batch: when every
         shard can be read by range, whole-shard downloads would only compete with the reads
-        the first batch waits for."""
+        the first batch waits for. Not when a Parquet shard has so few row groups that one of
+        them passes the range budget: the first batch would then wait for whole shards, and
+        prefetch fetches them in parallel."""
+        def by_range(info: ShardInfo) -> bool:
+            if RANGES_KEY not in info.extra:
+                return False
+            if info.format != "parquet":
+                return True
+            groups = info.extra.get("row_groups")
+            return isinstance(groups, int) and groups * self.range_budget >= 2
+
         return bool(self.range_reads and self.prefetch and index.shards
-                    and all(RANGES_KEY in info.extra for info in index.shards))
+                    and all(by_range(info) for info in index.shards))
 
     def _range_reads(self) -> RangeReads:
         if self._pid != os.getpid():
