@@ -35,10 +35,11 @@ that fraction on top of the whole download, whatever the prefetcher does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
-import tempfile
+import secrets
 import threading
 import warnings
 from collections import OrderedDict
@@ -267,14 +268,19 @@ class RangeReads:
         path = self._local_path(checksum)
         if path is None or os.path.exists(path):
             return
+        # Not `tempfile`: its first use takes a module lock, which a worker forked at that
+        # instant would inherit held forever.
+        temp = f"{path}.{os.getpid()}.{secrets.token_hex(6)}.part"
         try:
             os.makedirs(self.sidecar_dir, mode=0o700, exist_ok=True)  # type: ignore[arg-type]
-            fd, temp = tempfile.mkstemp(dir=self.sidecar_dir, prefix=".part-")
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(temp, path)
         except OSError:
             log.debug("could not keep sidecar %s", path, exc_info=True)
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
 
     def warm(self, infos: Sequence[ShardInfo]) -> None:
         """Load the sidecars of `infos` (from the node, else remotely) and keep them on the node

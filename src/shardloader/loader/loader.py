@@ -433,13 +433,14 @@ class _EpochIterator:
         # A source that reads the first batches' rows by byte range starts whole-shard prefetch
         # once the first batch is out, so that its downloads do not compete with those reads
         # (bandwidth, connections, CPU) for the batch a cold start waits for; meanwhile it
-        # fetches the first shards' range sidecars for the workers, which are starting.
+        # fetches the first shards' range sidecars for the workers (after they are forked:
+        # no thread of ours runs across the fork).
         defer = getattr(source, "defers_prefetch", None)
         self._defer_prefetch = bool(defer(loader._data.index)) if defer is not None else False
+        self.pool = loader._get_pool()
         warm = getattr(source, "warm_ranges", None)
         if self._defer_prefetch and warm is not None:
             warm(self._first_shards(max(1, loader.num_workers) * loader.prefetch_factor))
-        self.pool = loader._get_pool()
         self.pool.discard_pending()
         self.in_flight: list[BatchTask] = []
         self.to_submit = self.next_step
