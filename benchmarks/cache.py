@@ -20,6 +20,10 @@ batch on, time to first batch (from `Dataset(url)` to the first batch), and byte
 per epoch per node as counted by the proxy, relative to the dataset's size. Goal: cold/warm
 throughput >= 0.9.
 
+`--first-batch` measures only the cold first batch, whole shards (range reads off: before)
+against rows read by byte range (after), alternated, from `Loader(...)` and from `Dataset(url)`;
+`cold_first_batch` is the function to call from other benchmarks.
+
 4. Four processes on one node share one cache that holds the dataset: (a) the 4 ranks of one
 job (world size 4), (b) 4 independent jobs each reading the whole dataset. Bytes downloaded in
 total / dataset size; goal 1.0 (every shard downloaded once per node).
@@ -119,6 +123,55 @@ def epoch(url: str, options: dict, cache: str, *, prefetch: bool, args: argparse
     }
 
 
+def cold_first_batch(url: str, options: dict, cache: str, *, range_reads: bool,
+                     args: argparse.Namespace) -> dict[str, float]:
+    """Seconds to the first batch with an empty cache: from `Dataset(url)` (index download
+    included) and from `Loader(...)`; `range_reads=False` is the whole-shard path (before)."""
+    from shardloader import Dataset, Loader
+
+    start = time.perf_counter()
+    remote = "://" in url
+    ds = Dataset(url, cache_dir=cache if remote else None, cache_limit=args.cache_limit if remote else None,
+                 storage_options=options if remote else None)
+    if remote:
+        ds.source.range_reads = range_reads
+    built = time.perf_counter()
+    loader = Loader(ds, batch_size=args.batch, seed=0, num_workers=args.workers, transform=to_tensor,
+                    shuffle=True)
+    batch = next(iter(loader))
+    end = time.perf_counter()
+    assert int(batch["__index__"].numel()) == args.batch
+    loader.close()
+    ds.close()
+    return {"from_dataset": end - start, "from_loader": end - built}
+
+
+def first_batch_table(remote: Remote, work: str, args: argparse.Namespace) -> str:
+    """Cold first batch, whole shards (before) vs reads by range (after), alternated A/B/C with
+    the same loader over the local copy (the floor: worker start, decode, collate)."""
+    runs: dict[str, list[dict[str, float]]] = {"whole": [], "range": [], "local": []}
+    for r in range(args.repeats):
+        for kind in runs:
+            cache = os.path.join(work, f"first-{r}-{kind}")
+            url = remote.url if kind != "local" else os.path.join(work, "ds")
+            result = cold_first_batch(url, remote.options, cache, range_reads=kind == "range", args=args)
+            runs[kind].append(result)
+            shutil.rmtree(cache, ignore_errors=True)
+    rows = []
+    names = {"whole": "cold S3, whole shards (before)", "range": "cold S3, rows by byte range (after)",
+             "local": "local shards (the floor)"}
+    for kind, name in names.items():
+        results = runs[kind]
+        rows.append([name, median([x["from_loader"] for x in results]),
+                     spread([x["from_loader"] for x in results]),
+                     median([x["from_dataset"] for x in results])])
+    ratio = median([a["from_loader"] / b["from_loader"] for a, b in zip(runs["whole"], runs["range"])])
+    over = median([a["from_loader"] - b["from_loader"] for a, b in zip(runs["range"], runs["local"])])
+    return (table(["first batch", "from Loader() (s)", "range", "from Dataset() (s)"], rows)
+            + f"\nwhole / by range: {ratio:.2f}x; by range - local: {over:.2f} s "
+              "(goal: <= 0.4 s from Loader())")
+
+
 def _job(url: str, options: dict, cache: str, args: argparse.Namespace, rank: int, world: int,
          barrier: Any, out: Any) -> None:
     barrier.wait()
@@ -170,6 +223,8 @@ def main() -> None:
     parser.add_argument("--cache-limit", default="1GB")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-shared", action="store_true")
+    parser.add_argument("--first-batch", action="store_true",
+                        help="only the cold first batch: whole shards vs reads by byte range")
     args = parser.parse_args()
 
     work = tempfile.mkdtemp(prefix="shardloader-bench-cache-")
@@ -184,6 +239,10 @@ def main() -> None:
               f"the loop consumes at most {consumption / 1e6:.1f} MB/s "
               f"({args.batch} x {args.sample_kb:.0f} kB per {args.step_ms:.0f} ms step), "
               f"{args.workers} workers\n")
+        if args.first_batch:
+            print(first_batch_table(remote, work, args))
+            remote.stop()
+            return
         runs: dict[str, list[dict[str, float]]] = {"cold": [], "warm": [], "cold, no prefetch": []}
         ratios_whole, ratios_steady = [], []
         for r in range(args.repeats):

@@ -54,7 +54,8 @@ def test_index_tars_in_place_matches_writer(tar_dataset, tmp_path):
 def test_index_out_elsewhere(tar_dataset, tmp_path):
     out = tmp_path / "out"
     index = index_dataset(tar_dataset.path, out=str(out))
-    assert sorted(os.listdir(out)) == ["index.json"] + [f"shard-0000{i}.tar.idx" for i in range(3)]
+    assert sorted(os.listdir(out)) == ["index.json"] + sorted(
+        f"shard-0000{i}.tar{suffix}" for i in range(3) for suffix in (".idx", ".ranges"))
     assert index.num_samples == 150
 
 

@@ -133,8 +133,9 @@ def test_refuses_existing_dataset_unless_overwrite(tmp_path):
 def test_output_files_are_final_names_only(tmp_path):
     write_shards([{"d": bytes(50)} for _ in range(20)], tmp_path / "ds", shard_samples=8, format="tar")
     assert sorted(os.listdir(tmp_path / "ds")) == [
-        "index.json", "shard-00000.tar", "shard-00000.tar.idx", "shard-00001.tar",
-        "shard-00001.tar.idx", "shard-00002.tar", "shard-00002.tar.idx",
+        "index.json", "shard-00000.tar", "shard-00000.tar.idx", "shard-00000.tar.ranges",
+        "shard-00001.tar", "shard-00001.tar.idx", "shard-00001.tar.ranges",
+        "shard-00002.tar", "shard-00002.tar.idx", "shard-00002.tar.ranges",
     ]
 
 

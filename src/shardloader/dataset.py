@@ -53,6 +53,9 @@ class Dataset:
     Building a Dataset opens the shards the index lists as empty (a `samples: 0` entry for a
     shard with rows is a ShardError) and refuses an index without samples (DatasetIndexError).
     Idle readers close early when the node cache needs their room.
+    Under a Loader, rows of remote shards not yet in the node cache are read by byte range
+    (verified against the index's range sidecars) while whole shards download behind; see
+    `shardloader.cache.ranged` and docs/cache.md.
     """
 
     def __init__(
@@ -132,29 +135,57 @@ class Dataset:
         sample = int(sample)
         if sample < 0:
             sample += len(self)
-        shard, row = self.index.locate(sample)
-        record = self._read_rows(shard, [row])[0]
-        record[INDEX_FIELD] = sample
-        return record
+        self.index.locate(sample)  # IndexError for a sample out of range
+        return self.get_many(np.asarray([sample], dtype=np.int64))[0]
 
     def get_many(self, samples: Sequence[int] | np.ndarray) -> list[dict[str, Any]]:
         """Samples in the order given, reading each shard's rows in one call."""
         samples = np.asarray(samples, dtype=np.int64)
         shards, rows = self.index.locate_many(samples)
         out: list[dict[str, Any] | None] = [None] * len(samples)
-        for shard in sorted_unique(shards):
-            positions = np.flatnonzero(shards == shard)
-            records = self._read_rows(int(shard), rows[positions].tolist())
+        per_shard = [(int(shard), np.flatnonzero(shards == shard)) for shard in sorted_unique(shards)]
+        ranged = self._read_by_range([(shard, rows[positions]) for shard, positions in per_shard])
+        for shard, positions in per_shard:
+            records = ranged.get(shard)
+            if records is None:
+                records = self._read_rows(shard, rows[positions].tolist())
             for pos, record in zip(positions.tolist(), records):
                 record[INDEX_FIELD] = int(samples[pos])
                 out[pos] = record
         return out  # type: ignore[return-value]
 
-    def _decoded(self, record: dict[str, Any], shard: int, reader: ShardReader) -> dict[str, Any]:
+    def _decoded(self, record: dict[str, Any], shard: int, where: str) -> dict[str, Any]:
         """`record` with a tar shard's conventional fields decoded (see `decode`)."""
         if not self._tar_decode or self.index.shards[shard].format != "tar":
             return record
-        return decode_record(record, self._tar_decode, where=getattr(reader, "path", ""))
+        return decode_record(record, self._tar_decode, where=where)
+
+    def _read_by_range(self, wanted: list[tuple[int, np.ndarray]]) -> dict[int, list[dict[str, Any]]]:
+        """Records of the shards in `wanted` ((shard, rows)) that the source reads by byte range
+        now (remote shards not yet in the node cache; see `shardloader.cache.ranged`), by shard.
+        Shards this process has a reader open for are read through it."""
+        read = getattr(self.source, "read_by_range", None)
+        if read is None:
+            return {}
+        if os.getpid() != self._pid:
+            self._reset_process_state()
+        with self._readers_lock:
+            todo = [(shard, rows) for shard, rows in wanted if shard not in self._readers]
+        if not todo:
+            return {}
+        start = time.perf_counter()
+        try:  # network time: the storage share of reading, as a wait for a download
+            got = read([(self.index.shards[shard], rows) for shard, rows in todo])
+        finally:
+            waited = time.perf_counter() - start
+            self._thread.wait_seconds = getattr(self._thread, "wait_seconds", 0.0) + waited
+        url_of = getattr(self.source, "url_of", None)
+        out = {}
+        for pos, records in got.items():
+            shard = todo[pos][0]
+            where = url_of(self.index.shards[shard]) if url_of is not None else self.index.shards[shard].path
+            out[shard] = [self._decoded(r, shard, where) for r in records]
+        return out
 
     # -- shard readers ------------------------------------------------------------------------
     def _read_rows(self, shard: int, rows: list[int]) -> list[dict[str, Any]]:
@@ -164,7 +195,8 @@ class Dataset:
         for attempt in range(2):
             with self._using(shard) as reader:
                 try:
-                    return [self._decoded(r, shard, reader) for r in reader.read_rows(rows)]
+                    where = getattr(reader, "path", "")
+                    return [self._decoded(r, shard, where) for r in reader.read_rows(rows)]
                 except ShardChangedError:
                     if attempt:
                         raise

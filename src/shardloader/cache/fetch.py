@@ -60,6 +60,8 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
     import fsspec
 
     options = dict(storage_options or {})
+    if url.startswith(("s3://", "s3a://")):
+        options = _with_connection_pool(options)
     if "::" in url:  # chained URLs: let fsspec build the chain each time
         return fsspec.core.url_to_fs(url, **options)
     protocol = fsspec.core.split_protocol(url)[0] or "file"
@@ -67,15 +69,57 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
     with _CLIENTS_LOCK:
         fs = _CLIENTS.get(key)
         if fs is None:
-            fs, path = fsspec.core.url_to_fs(url, **{**options, "skip_instance_cache": True})
+            extra: dict[str, Any] = {"skip_instance_cache": True}
+            session = _INHERITED_SESSIONS.get(key[1:])
+            if session is not None and "session" not in options:
+                extra["session"] = session
+            fs, path = fsspec.core.url_to_fs(url, **{**options, **extra})
             _CLIENTS[key] = fs
             return fs, path
     return fs, fs._strip_protocol(url)
 
 
+# s3fs builds an aiobotocore session per client, and building one in a fresh process (loading
+# botocore's service data) costs ~0.15 s of CPU: most of a worker's first request to S3 (0.25 s
+# vs 0.09 s measured on loopback). A forked child reuses the session of the client the parent
+# built for the same options: a session holds configuration, loaded service models and static
+# credentials, no connection and no event loop. Sessions with refreshable credentials (their
+# refresh lock may be bound to the parent's loop) are not reused.
+_INHERITED_SESSIONS: dict[tuple[Any, ...], Any] = {}
+
+
+def _reusable_session(fs: Any) -> Any:
+    session = getattr(fs, "session", None)
+    if session is None or type(session).__name__ != "AioSession":
+        return None
+    credentials = getattr(session, "_credentials", None)
+    if credentials is not None and hasattr(credentials, "refresh_needed"):
+        return None
+    return session
+
+
+#: Connections per S3 client when the options do not say. botocore's default pool of 10 makes
+#: the concurrent byte-range reads of one batch (tens of requests, each mostly latency) queue
+#: in waves of 10: measured 0.4 s instead of 0.05 s for a batch from 16 cold shards on loopback
+#: S3 with 30 ms per request.
+S3_POOL_CONNECTIONS = 64
+
+
+def _with_connection_pool(options: dict[str, Any]) -> dict[str, Any]:
+    config = dict(options.get("config_kwargs") or {})
+    if "max_pool_connections" in config:
+        return options
+    config["max_pool_connections"] = S3_POOL_CONNECTIONS
+    return {**options, "config_kwargs": config}
+
+
 def _keep_inherited_clients() -> None:
     global _CLIENTS_LOCK
     _CLIENTS_LOCK = threading.Lock()
+    for (_pid, *rest), fs in _CLIENTS.items():
+        session = _reusable_session(fs)
+        if session is not None:
+            _INHERITED_SESSIONS[tuple(rest)] = session
     _INHERITED.extend(_CLIENTS.values())
     try:
         from fsspec.spec import AbstractFileSystem
@@ -295,10 +339,11 @@ def download(
     )
 
 
-def _cat_ranges(fs: Any, path: str, ranges: list[tuple[int, int]]) -> list[Any]:
+def _cat_ranges(fs: Any, path: str | list[str], ranges: list[tuple[int, int]]) -> list[Any]:
+    paths = path if isinstance(path, list) else [path] * len(ranges)
     try:
         results = fs.cat_ranges(
-            [path] * len(ranges), [lo for lo, _ in ranges], [hi for _, hi in ranges],
+            paths, [lo for lo, _ in ranges], [hi for _, hi in ranges],
             on_error="return",
         )
     except Exception as e:  # a failure of the whole call counts against every range
@@ -332,6 +377,79 @@ def _permanent_reason(error: BaseException, lo: int, hi: int, size: int) -> str:
             f"{size} bytes the index records ({describe(error)})"
         )
     return f"permanent error: {describe(error)}"
+
+
+@dataclass(frozen=True)
+class RangeRequest:
+    """Bytes [lo, hi) of remote object `path` (`url` names it in errors; `size` is the object's
+    size by the index, to recognise a server that ignored the Range header)."""
+
+    path: str
+    url: str
+    lo: int
+    hi: int
+    size: int
+
+
+def read_ranges(
+    fs: Any,
+    requests: list[RangeRequest],
+    *,
+    policy: RetryPolicy,
+    rng: random.Random | None = None,
+    cancel: threading.Event | None = None,
+) -> tuple[list[bytes], FetchStats]:
+    """The bytes of every request (any objects), fetched concurrently in one `cat_ranges` call
+    per round, with the same transient-error rules, backoff and bounds as `download`.
+
+    Raises FetchError naming the URL on a permanent error or when retries run out. The caller
+    verifies what came back (ranges carry no checksum of their own here)."""
+    rng = rng or random.Random()
+    stats = FetchStats()
+    start = time.monotonic()
+    out: list[bytes | None] = [None] * len(requests)
+    pending = list(range(len(requests)))
+    failures = 0
+    while pending:
+        if cancel is not None and cancel.is_set():
+            raise FetchCancelled(requests[pending[0]].url)
+        results = _cat_ranges(fs, [requests[i].path for i in pending],
+                              [(requests[i].lo, requests[i].hi) for i in pending])
+        failed: list[int] = []
+        first_error: BaseException | None = None
+        for i, result in zip(pending, results, strict=True):
+            r = requests[i]
+            if isinstance(result, BaseException):
+                error: BaseException | None = result
+            else:
+                data, error = _check_range(result, r.lo, r.hi, r.size)
+                if error is None:
+                    out[i] = data
+                    stats.bytes_received += len(data)
+            if error is not None:
+                if not is_transient(error):
+                    raise FetchError(f"{r.url}: {_permanent_reason(error, r.lo, r.hi, r.size)}") from error
+                failed.append(i)
+                first_error = first_error or error
+        pending = failed
+        if pending:
+            assert first_error is not None
+            failures += 1
+            stats.retries += 1
+            url = requests[pending[0]].url
+            delay = policy.backoff(failures - 1, rng)
+            if failures >= policy.attempts or time.monotonic() + delay - start > policy.deadline:
+                raise FetchError(
+                    f"{url}: giving up on a byte-range read after {failures} failed attempts; "
+                    f"last error: {describe(first_error)}"
+                ) from first_error
+            if cancel is not None:
+                if cancel.wait(delay):
+                    raise FetchCancelled(url)
+            elif delay > 0:
+                time.sleep(delay)
+    stats.seconds = time.monotonic() - start
+    return [b for b in out if b is not None], stats
 
 
 def read_bytes(

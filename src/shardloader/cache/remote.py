@@ -17,7 +17,7 @@ import os
 import random
 import shutil
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from shardloader.cache.capacity import (
@@ -30,11 +30,13 @@ from shardloader.cache.capacity import (
 )
 from shardloader.cache.fetch import FetchStats, RetryPolicy, download, filesystem
 from shardloader.cache.prefetch import NoPrefetch, Prefetcher
+from shardloader.cache.ranged import RangeReads
 from shardloader.cache.store import COUNTER_NAMES, Companion, Fetch, Releaser, ShardCache
-from shardloader.errors import UnsafePathError
+from shardloader.errors import ShardloaderError, UnsafePathError
 from shardloader.format.checksum import parse_checksum
 from shardloader.format.index import ShardInfo
 from shardloader.format.paths import join_url, safe_relative_path
+from shardloader.format.ranges import RANGES_KEY
 from shardloader.units import parse_size
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,9 @@ class RemoteSource:
     shards and `prefetch_bytes` bytes (default: half the cache limit) scheduled but not yet
     opened by a reader; prefetch never takes the room readers need. `full_timeout` is how long
     a reader waits for other processes to release shards before `CacheFullError`.
+    `range_reads` lets readers under a Loader read rows of shards not yet cached by byte range
+    (`range_gap`: spans this close share a request; `range_budget`: at most this fraction of a
+    shard per process, then it is read whole); see `shardloader.cache.ranged`.
     """
 
     def __init__(
@@ -93,6 +98,9 @@ class RemoteSource:
         prefetch_shards: int = 16,
         prefetch_bytes: int | str | None = None,
         full_timeout: float = 30.0,
+        range_reads: bool = True,
+        range_gap: int | str = "64KiB",
+        range_budget: float = 0.5,
     ) -> None:
         self.root = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
@@ -117,13 +125,19 @@ class RemoteSource:
             else self.cache_limit // 2
         )
         self.full_timeout = full_timeout
+        self.range_reads = range_reads
+        self.range_gap = _size(range_gap, "range_gap")
+        if not 0 <= range_budget:
+            raise ValueError(f"range_budget must be >= 0, got {range_budget}")
+        self.range_budget = float(range_budget)
+        self.prefetch_expected = False  # set by a Loader that prefetches whole shards
         self.needs: CacheNeeds | None = None  # set by check_capacity
         self._reset_process_state()
 
     _CONFIG = (
         "root", "storage_options", "cache_dir", "cache_limit", "retry", "chunk_size",
         "parallel_ranges", "prefetch", "prefetch_concurrency", "prefetch_shards", "prefetch_bytes",
-        "full_timeout", "needs",
+        "full_timeout", "range_reads", "range_gap", "range_budget", "prefetch_expected", "needs",
     )
 
     def _reset_process_state(self) -> None:
@@ -135,6 +149,7 @@ class RemoteSource:
         self._rng = random.Random()
         self._releasers: list[Releaser] = []
         self._largest: tuple[Any, int] | None = None  # (index fingerprint, largest footprint)
+        self._ranged: RangeReads | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in self._CONFIG}
@@ -217,6 +232,75 @@ class RemoteSource:
         fetch, companions = self.plan(info)
         return self.store.open(info, fetch, companions)
 
+    def read_by_range(self, wanted: Sequence[tuple[ShardInfo, Any]]) -> dict[int, list[dict[str, Any]]]:
+        """Records of the rows of each (shard, rows) in `wanted` whose shard the node cache does
+        not hold yet, read by byte range (see `shardloader.cache.ranged`), by position in
+        `wanted`; the others (cached shards, shards without range sidecars, reads over the
+        budget) are left to `local_path`. Only under a Loader that prefetches (see
+        `expect_prefetch`): the prefetcher is what puts whole shards into the cache behind the
+        range reads; reads without one (a Dataset used alone) fetch whole shards, as always."""
+        if not (self.range_reads and self.prefetch and self.prefetch_expected) or not wanted:
+            return {}
+        store = self.store
+        todo: list[tuple[int, tuple[ShardInfo, Any]]] = []
+        for pos, (info, rows) in enumerate(wanted):
+            try:
+                if os.path.exists(store.path_for(info)):
+                    continue  # whole in the cache: read it there
+            except ShardloaderError:
+                continue  # a bad index entry: the whole-shard path names it
+            todo.append((pos, (info, rows)))
+        if not todo:
+            return {}
+        got = self._range_reads().read([item for _, item in todo])
+        return {todo[i][0]: records for i, records in got.items()}
+
+    def expect_prefetch(self) -> None:
+        """Called by a Loader before it starts its workers: its prefetcher will download whole
+        shards in order of need, so readers may read rows of shards not yet cached by range
+        meanwhile (the setting travels to worker processes with the dataset)."""
+        self.prefetch_expected = True
+
+    def warm_ranges(self, shard_infos: Iterable[ShardInfo]) -> threading.Thread | None:
+        """Fetch the range sidecars of `shard_infos` (the first shards a Loader needs) in a
+        background thread and keep them on the node for its workers; returns at once."""
+        if not (self.range_reads and self.prefetch):
+            return None
+        infos = [info for info in shard_infos if RANGES_KEY in info.extra]
+        if not infos:
+            return None
+        reads = self._range_reads()
+        thread = threading.Thread(target=reads.warm, args=(infos,), name="shardloader-ranges", daemon=True)
+        thread.start()
+        return thread
+
+    def defers_prefetch(self, index: Any) -> bool:
+        """Whether the Loader should start prefetch only after the first batch: when every
+        shard can be read by range, whole-shard downloads would only compete with the reads
+        the first batch waits for. Not when a Parquet shard has so few row groups that one of
+        them passes the range budget: the first batch would then wait for whole shards, and
+        prefetch fetches them in parallel."""
+        def by_range(info: ShardInfo) -> bool:
+            if RANGES_KEY not in info.extra:
+                return False
+            if info.format != "parquet":
+                return True
+            groups = info.extra.get("row_groups")
+            return isinstance(groups, int) and groups * self.range_budget >= 2
+
+        return bool(self.range_reads and self.prefetch and index.shards
+                    and all(by_range(info) for info in index.shards))
+
+    def _range_reads(self) -> RangeReads:
+        if self._pid != os.getpid():
+            self._reset_process_state()
+        with self._lock:
+            if self._ranged is None:
+                self._ranged = RangeReads(self._filesystem, self.root, policy=self.retry,
+                                          gap=self.range_gap, budget=self.range_budget,
+                                          sidecar_dir=os.path.join(self.cache_dir, "ranges"))
+            return self._ranged
+
     def release(self, info: ShardInfo) -> None:
         """The caller stopped reading `info`: unpin it so that it may be evicted."""
         if self._store_obj is not None and self._pid == os.getpid():
@@ -266,9 +350,15 @@ class RemoteSource:
         """This process's cache counters: cache_hits, cache_misses, bytes_downloaded,
         download_seconds, wait_seconds, and more (verify_seconds, evictions, retries, ...)."""
         if self._store_obj is None or self._pid != os.getpid():
-            return dict.fromkeys(COUNTER_NAMES, 0)
-        with self._store_obj._mutex:
-            return dict(self._store_obj.counters)
+            out: dict[str, float] = dict.fromkeys(COUNTER_NAMES, 0)
+        else:
+            with self._store_obj._mutex:
+                out = dict(self._store_obj.counters)
+        ranged = self._ranged.counters if self._ranged is not None and self._pid == os.getpid() else None
+        out["range_reads"] = ranged.reads if ranged else 0
+        out["range_bytes"] = ranged.bytes if ranged else 0
+        out["range_requests"] = ranged.requests if ranged else 0
+        return out
 
     def node_counters(self) -> dict[str, int]:
         """Counters of every process that used this cache directory: downloads, redownloads

@@ -3,15 +3,18 @@
 `index_dataset(url)` lists the directory (not recursive), takes its `.tar` and `.parquet`
 files sorted by name as the shards, computes each checksum while streaming the file once,
 counts samples (tar: a header scan; Parquet: the footer), writes an offsets sidecar
-``<name>.tar.idx`` per tar, and writes `index.json` last. Remote tars are streamed into a
+``<name>.tar.idx`` per tar and a range sidecar ``<name>.ranges`` per shard (see
+`shardloader.format.ranges`), and writes `index.json` last. Remote tars are streamed into a
 local temporary file (one read) and scanned there. All shards must share one schema.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import fsspec
@@ -19,8 +22,9 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from shardloader.errors import SchemaError, ShardError, ShardloaderError
-from shardloader.format.checksum import checksum_file, checksum_stream, format_checksum, new_hasher
+from shardloader.format.checksum import checksum_file, format_checksum, new_hasher
 from shardloader.format.index import INDEX_NAME, Index, ShardInfo
+from shardloader.format.ranges import RANGES_KEY, ranges_entry, ranges_path, table_of_file
 from shardloader.format.schema import check_schema, schema_names
 from shardloader.format.tar import OFFSETS_KEY, TarOffsets, offsets_entry, scan_tar, sidecar_path
 from shardloader.format.target import OutputDir, discard
@@ -45,13 +49,16 @@ def list_shard_files(url: str, storage_options: dict[str, Any] | None = None) ->
     return sorted(names)
 
 
-def _tar_entry(fs: Any, path: str, local: bool) -> tuple[str, int, TarOffsets]:
-    """Checksum, size and member table of one tar, reading a remote one once."""
+@contextlib.contextmanager
+def _local_copy(fs: Any, path: str, local: bool) -> Iterator[tuple[str, str, int]]:
+    """(local path, checksum, size) of the file at `path`: itself when local, else a temporary
+    copy made while hashing it (one read of the remote object)."""
     if local:
         checksum, size = checksum_file(path)
-        return checksum, size, scan_tar(path)
+        yield path, checksum, size
+        return
     hasher = new_hasher()
-    fd, temp = tempfile.mkstemp(prefix="shardloader-index-", suffix=".tar")
+    fd, temp = tempfile.mkstemp(prefix="shardloader-index-", suffix=os.path.splitext(path)[1])
     try:
         size = 0
         with fs.open(path, "rb") as src, os.fdopen(fd, "wb") as dst:
@@ -59,23 +66,37 @@ def _tar_entry(fs: Any, path: str, local: bool) -> tuple[str, int, TarOffsets]:
                 hasher.update(chunk)
                 dst.write(chunk)
                 size += len(chunk)
-        return format_checksum("xxh3_128", hasher.hexdigest()), size, scan_tar(temp, name=path)
+        yield temp, format_checksum("xxh3_128", hasher.hexdigest()), size
     finally:
         discard(temp)
 
 
-def _parquet_entry(fs: Any, path: str) -> tuple[str, int, int, int, dict[str, str]]:
-    """Checksum, size, rows, row groups and schema of one Parquet file."""
-    with fs.open(path, "rb") as f:
-        checksum, size = checksum_stream(f)
+def _tar_entry(fs: Any, path: str, local: bool) -> tuple[str, int, TarOffsets, bytes]:
+    """Checksum, size, member table and range sidecar of one tar, reading a remote one once."""
+    with _local_copy(fs, path, local) as (copy, checksum, size):
+        table = scan_tar(copy, name=path)
+        return checksum, size, table, _ranges(copy, "tar", path, table.spans)
+
+
+def _ranges(copy: str, fmt: str, name: str, tar_spans: Any = None) -> bytes:
     try:
-        with fs.open(path, "rb") as f:
-            meta = pq.ParquetFile(f)
+        return table_of_file(copy, fmt, tar_spans).encode()
+    except ShardloaderError:
+        raise
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        raise ShardError(f"{name}: cannot map its rows to byte ranges (corrupt?): {e}") from None
+
+
+def _parquet_entry(fs: Any, path: str, local: bool) -> tuple[str, int, int, int, dict[str, str], bytes]:
+    """Checksum, size, rows, row groups, schema and range sidecar of one Parquet file."""
+    with _local_copy(fs, path, local) as (copy, checksum, size):
+        try:
+            meta = pq.ParquetFile(copy)
             rows, groups = meta.metadata.num_rows, meta.metadata.num_row_groups
             schema = schema_names(meta.schema_arrow)
-    except Exception as e:  # pyarrow raises several types for a damaged footer
-        raise ShardError(f"{path}: not a readable Parquet file (truncated or corrupt?): {e}") from None
-    return checksum, size, rows, groups, schema
+        except Exception as e:  # pyarrow raises several types for a damaged footer
+            raise ShardError(f"{path}: not a readable Parquet file (truncated or corrupt?): {e}") from None
+        return checksum, size, rows, groups, schema, _ranges(copy, "parquet", path)
 
 
 def index_dataset(
@@ -107,15 +128,17 @@ def index_dataset(
             fmt = INDEXABLE[os.path.splitext(name)[1]]
             extra: dict[str, Any] = {}
             if fmt == "tar":
-                checksum, size, table = _tar_entry(fs, path, local)
+                checksum, size, table, ranges = _tar_entry(fs, path, local)
                 samples = len(table)
                 shard_schema = {f: "binary" for f in table.fields} if samples else None
                 sidecar = table.encode()
                 target.write_bytes(sidecar_path(name), sidecar)
                 extra[OFFSETS_KEY] = offsets_entry(sidecar_path(name), sidecar)
             else:
-                checksum, size, samples, groups, shard_schema = _parquet_entry(fs, path)
+                checksum, size, samples, groups, shard_schema, ranges = _parquet_entry(fs, path, local)
                 extra["row_groups"] = groups
+            target.write_bytes(ranges_path(name), ranges)
+            extra[RANGES_KEY] = ranges_entry(ranges_path(name), ranges)
             if shard_schema is not None:
                 if schema is None:
                     schema, schema_from = shard_schema, name

@@ -29,6 +29,19 @@ from shardloader.format.reader import MappedPages, memory_map_shard
 from shardloader.format.schema import BatchRows, check_shard, gather_rows, schema_names
 
 
+def row_group_rows(file: pq.ParquetFile, group: int, *, where: str, first_row: int) -> BatchRows:
+    """Row access to row group `group` of `file`, decoded whole (the unit Parquet decodes);
+    a ShardError naming `where` when it cannot be decoded. Shared with reads by byte range
+    (`shardloader.format.ranges`), so both give the same values."""
+    try:
+        table = file.read_row_group(group)
+    except (pa.ArrowException, OSError) as e:
+        raise ShardError(f"{where}: row group {group} cannot be decoded (corrupt?): {e}") from None
+    batches = table.combine_chunks().to_batches()
+    batch = batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)
+    return BatchRows(batch, where=where, first_row=first_row)
+
+
 class ParquetShardReader:
     """Row access to one Parquet file shard, decoding whole row groups on demand."""
 
@@ -75,13 +88,8 @@ class ParquetShardReader:
         if cached is not None:
             self._cache.move_to_end(group)
             return cached
-        try:
-            table = self._file.read_row_group(group)
-        except (pa.ArrowException, OSError) as e:
-            raise ShardError(f"{self.path}: row group {group} cannot be decoded (corrupt?): {e}") from None
-        batches = table.combine_chunks().to_batches()
-        batch = batches[0] if batches else pa.RecordBatch.from_pylist([], schema=table.schema)
-        rows = BatchRows(batch, where=self.path, first_row=int(self._offsets[group]))
+        rows = row_group_rows(self._file, group, where=self.path, first_row=int(self._offsets[group]))
+        batch = rows.batch
         self._cache[group] = rows
         self._cached_bytes += batch.nbytes
         while len(self._cache) > 2 and self._cached_bytes > self.cache_bytes:

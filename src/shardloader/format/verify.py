@@ -1,4 +1,4 @@
-"""Verifying a dataset against its index: every shard (and tar sidecar) present, whole, intact.
+"""Verifying a dataset against its index: every shard (and sidecar) present, whole, intact.
 
 `verify_dataset` recomputes every checksum by streaming each file once, and for local datasets
 also opens every shard with its reader (sample count and schema against the index, and no null
@@ -21,6 +21,7 @@ from shardloader.errors import ShardloaderError
 from shardloader.format.checksum import checksum_stream, parse_checksum
 from shardloader.format.index import Index, ShardInfo
 from shardloader.format.paths import join_url, safe_relative_path
+from shardloader.format.ranges import RANGES_KEY
 from shardloader.format.reader import open_shard
 from shardloader.format.tar import OFFSETS_KEY
 from shardloader.source import is_local, load_index, strip_file_scheme
@@ -43,15 +44,17 @@ def _check_file(fs: Any, url: str, size: int, checksum: str) -> str | None:
     return None
 
 
-def _check_sidecar(fs: Any, root: str, shard: ShardInfo) -> str | None:
-    entry = shard.extra.get(OFFSETS_KEY)
+def _check_sidecar(fs: Any, root: str, shard: ShardInfo, key: str = OFFSETS_KEY) -> str | None:
+    """The problem with the sidecar the index entry describes under `key` (tar offsets, range
+    sidecar), or None: its size and checksum against the index."""
+    entry = shard.extra.get(key)
     if entry is None:
         return None
     where = join_url(root, shard.path)
     if not isinstance(entry, dict) or not {"path", "bytes", "checksum"} <= entry.keys():
-        return f"{where}: malformed '{OFFSETS_KEY}' entry in the index: {entry!r}"
+        return f"{where}: malformed '{key}' entry in the index: {entry!r}"
     try:
-        relative = safe_relative_path(entry["path"], what=f"{where}: offsets sidecar")
+        relative = safe_relative_path(entry["path"], what=f"{where}: {key} sidecar")
         parse_checksum(str(entry["checksum"]))
     except (ShardloaderError, ValueError) as e:
         return str(e)
@@ -96,7 +99,8 @@ def verify_dataset(
             shard_problem = _check_file(fs, join_url(root, shard.path), shard.bytes, shard.checksum)
             if shard_problem is None and is_local(url):
                 shard_problem = _check_structure(root, shard, index)
-            for problem in (shard_problem, _check_sidecar(fs, root, shard)):
+            for problem in (shard_problem, _check_sidecar(fs, root, shard),
+                            _check_sidecar(fs, root, shard, RANGES_KEY)):
                 if problem is not None:
                     problems.append(problem)
             bar.update(shard.bytes)

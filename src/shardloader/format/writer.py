@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from shardloader.errors import SchemaError, ShardloaderError
 from shardloader.format.checksum import checksum_file
 from shardloader.format.index import INDEX_NAME, Index, ShardInfo
+from shardloader.format.ranges import RANGES_KEY, ranges_entry, ranges_path, table_of_file
 from shardloader.format.schema import (
     arrow_type,
     build_array,
@@ -191,6 +192,9 @@ class _TarShard:
         """The offsets sidecar of the closed tar (recorded while writing, not scanned)."""
         return self._writer.offsets(tar_bytes).encode()
 
+    def member_spans(self, tar_bytes: int) -> Any:
+        return self._writer.offsets(tar_bytes).spans
+
 
 def write_shards(
     samples: Iterable[Mapping[str, Any]],
@@ -211,7 +215,9 @@ def write_shards(
     """Write `samples` as shards plus `index.json` into directory `out` (path or fsspec URL).
 
     Shards are named ``shard-00000.<arrow|tar>``; a tar shard also gets an offsets sidecar
-    ``shard-00000.tar.idx``. Refuses a directory that already holds an `index.json` unless
+    ``shard-00000.tar.idx``, and every shard a range sidecar ``<shard>.ranges`` (the byte spans
+    of its rows with their hashes, for reads by range from a cold cache; see
+    `shardloader.format.ranges`). Refuses a directory that already holds an `index.json` unless
     `overwrite`. On error, the shards written so far are removed and no index is written.
 
     `shuffle=True` writes the samples in a seeded random order (a pure function of the sample
@@ -337,11 +343,17 @@ def _finish(
     shard.close()
     checksum, size = checksum_file(temp)
     extra: dict[str, Any] = {}
+    tar_spans = None
     if isinstance(shard, _TarShard):
         sidecar = shard.sidecar(size)
         target.write_bytes(sidecar_path(name), sidecar)
         written.append(sidecar_path(name))
         extra[OFFSETS_KEY] = offsets_entry(sidecar_path(name), sidecar)
+        tar_spans = shard.member_spans(size)
+    ranges = table_of_file(temp, shard.extension, tar_spans).encode()
+    target.write_bytes(ranges_path(name), ranges)
+    written.append(ranges_path(name))
+    extra[RANGES_KEY] = ranges_entry(ranges_path(name), ranges)
     target.commit(temp, name)
     written.append(name)
     return ShardInfo(name, shard.extension, shard.samples, size, checksum, extra)

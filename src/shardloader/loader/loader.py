@@ -430,7 +430,21 @@ class _EpochIterator:
         check = getattr(loader._data, "check_capacity", None)
         if check is not None:  # a cache too small for this configuration fails here, not mid-epoch
             check(num_workers=loader.num_workers)
+        source = getattr(loader._data, "source", None)
+        expect = getattr(source, "expect_prefetch", None)
+        if expect is not None:  # before the workers start: the setting travels with the dataset
+            expect()
+        # A source that reads the first batches' rows by byte range starts whole-shard prefetch
+        # once the first batch is out, so that its downloads do not compete with those reads
+        # (bandwidth, connections, CPU) for the batch a cold start waits for; meanwhile it
+        # fetches the first shards' range sidecars for the workers (after they are forked:
+        # no thread of ours runs across the fork).
+        defer = getattr(source, "defers_prefetch", None)
+        self._defer_prefetch = bool(defer(loader._data.index)) if defer is not None else False
         self.pool = loader._get_pool()
+        warm = getattr(source, "warm_ranges", None)
+        if self._defer_prefetch and warm is not None:
+            warm(self._first_shards(max(1, loader.num_workers) * loader.prefetch_factor))
         self.pool.discard_pending()
         self.in_flight: list[BatchTask] = []
         self.to_submit = self.next_step
@@ -439,7 +453,7 @@ class _EpochIterator:
             self._submit_next()
         counters = getattr(loader._data.source, "counters", None)
         self._counters_at_start = counters() if counters is not None else {}
-        self.prefetch_handle = self._start_prefetch()
+        self.prefetch_handle = None if self._defer_prefetch else self._start_prefetch()
         self.finished = False
 
     def _submit_next(self) -> None:
@@ -466,6 +480,14 @@ class _EpochIterator:
         if start is None:
             return None
         return start(self._shards_ahead())
+
+    def _first_shards(self, steps: int) -> list[Any]:
+        """The shards the next `steps` batches read (pure order arithmetic, no I/O)."""
+        plan, order = self.loader._plan, self.loader._plan.order(self.epoch)
+        shards: dict[int, None] = {}
+        for step in range(self.next_step, min(self.steps, self.next_step + steps)):
+            shards.update(dict.fromkeys(order.shards_of(plan.samples(self.epoch, step)).tolist()))
+        return [self.loader._data.index.shards[shard] for shard in shards]
 
     def _shards_ahead(self) -> Iterator[Any]:
         """Shards this rank will read, in order of need, from the current step on."""
@@ -510,6 +532,9 @@ class _EpochIterator:
             self._finish(error=True)
             raise
         self._submit_next()
+        if self._defer_prefetch:
+            self._defer_prefetch = False
+            self.prefetch_handle = self._start_prefetch()
         if loader.pin_memory:
             batch = pin(batch)
         fetch_seconds = time.perf_counter() - start

@@ -1,0 +1,252 @@
+"""Reads by byte range from a cold cache (shardloader.cache.ranged), against real servers: rows
+equal those of the whole shard bit for bit, the first batch does not wait for whole shards, the
+cache still ends with whole verified shards, and a remote object that changed after indexing is
+a clear error naming the shard, never wrong rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from shardloader import Dataset, Loader
+from shardloader.cache.maintenance import verify_all
+from shardloader.errors import ChecksumMismatch, FetchError
+from shardloader.format.indexer import index_dataset
+from shardloader.format.writer import write_shards
+from tests.resume import assert_exact_resume, take
+from tests.sample_transforms import make_samples, noisy_crop
+
+SAMPLES = [3, 200, 41, 42, 399, 0, 250, 41]  # several shards, repeats, both ends
+
+
+def _write(path: str, fmt: str) -> str:
+    if fmt == "parquet":
+        os.makedirs(path)
+        samples = list(make_samples(400))
+        for s in range(4):
+            part = samples[s * 100:(s + 1) * 100]
+            table = pa.table({"data": [x["data"] for x in part], "label": [x["label"] for x in part]})
+            pq.write_table(table, os.path.join(path, f"part-{s}.parquet"), row_group_size=10)
+        index_dataset(path)
+    else:
+        write_shards(make_samples(400), path, shard_samples=50, format=fmt)
+    return path
+
+
+@pytest.fixture(scope="module", params=["arrow", "tar", "parquet"])
+def dataset_dir(request, tmp_path_factory):
+    return _write(str(tmp_path_factory.mktemp(f"ranged-{request.param}") / "ds"), request.param)
+
+
+@pytest.fixture(scope="module")
+def arrow_dir(tmp_path_factory):
+    return _write(str(tmp_path_factory.mktemp("ranged-loader") / "ds"), "arrow")
+
+
+def _ranged(ds: Dataset) -> Dataset:
+    """`ds` reading by range as under a Loader, whose prefetcher downloads whole shards behind
+    (a Dataset used alone reads whole shards)."""
+    ds.source.expect_prefetch()
+    return ds
+
+
+def _cached_shards(cache: str) -> list[str]:
+    out = []
+    for root, _, files in os.walk(os.path.join(cache, "data")):
+        out += [os.path.join(root, f) for f in files if not f.endswith(".idx")]
+    return out
+
+
+def test_rows_by_range_equal_rows_of_the_local_shards(dataset_dir, s3_server, s3_url, tmp_path):
+    want = Dataset(dataset_dir).get_many(SAMPLES)
+    remote = _ranged(Dataset(s3_url(dataset_dir), cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
+                             storage_options=s3_server.storage_options()))
+    got = remote.get_many(SAMPLES)
+    assert got == want  # bytes, ints, keys: bit for bit, in the order asked
+    counters = remote.source.counters()
+    assert counters["range_reads"] >= 3 and counters["downloads"] == 0  # one read per shard
+    assert _cached_shards(str(tmp_path / "cache")) == []  # nothing was downloaded whole
+    assert [remote[i] for i in (41, 399)] == [want[2], want[4]]
+
+
+def test_rows_by_range_over_http(arrow_dir, http_server, tmp_path):
+    want = Dataset(arrow_dir).get_many(SAMPLES)
+    remote = _ranged(Dataset(http_server(arrow_dir).url, cache_dir=str(tmp_path / "cache"), cache_limit="1GB"))
+    assert remote.get_many(SAMPLES) == want
+    assert remote.source.counters()["range_reads"] >= 4
+
+
+def test_a_dataset_used_alone_reads_whole_shards(arrow_dir, s3_server, s3_url, tmp_path):
+    remote = Dataset(s3_url(arrow_dir), cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
+                     storage_options=s3_server.storage_options())
+    assert remote.get_many([3, 60]) == Dataset(arrow_dir).get_many([3, 60])
+    counters = remote.source.counters()
+    assert counters["range_reads"] == 0 and counters["downloads"] == 2
+
+
+def _hold_whole_downloads(index, release: threading.Event, held: list[str]):
+    """A proxy plan that holds every GET of a whole shard (what a whole-shard download asks
+    for: bytes=0-(size-1)) until `release` is set; ranged reads of parts pass."""
+    sizes = {info.path: info.bytes for info in index.shards}
+
+    def plan(number, method, path, headers):
+        name = path.split("?", 1)[0].rsplit("/", 1)[-1]
+        wanted = headers.get("Range") or headers.get("range")
+        if method == "GET" and name in sizes and wanted == f"bytes=0-{sizes[name] - 1}":
+            held.append(name)
+            release.wait(30)
+        return None
+
+    return plan
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_first_batch_completes_before_its_shards_are_downloaded(arrow_dir, s3_server, s3_url, fault_proxy,
+                                                                 tmp_path, workers):
+    def make(url, cache=None, opts=None):
+        ds = Dataset(url, cache_dir=cache, cache_limit="1GB", storage_options=opts)
+        return Loader(ds, batch_size=16, seed=3, shuffle=True, num_workers=workers, transform=noisy_crop,
+                      partitions=4, window=2)
+
+    reference = take(make(arrow_dir), 26)  # two epochs of 13 batches
+    index = Dataset(arrow_dir).index
+    release, held = threading.Event(), []
+    proxy = fault_proxy(s3_server.endpoint, _hold_whole_downloads(index, release, held))
+    cache = str(tmp_path / "cache")
+    loader = make(s3_url(arrow_dir), cache, s3_server.storage_options(proxy.url))
+    try:
+        first = take(loader, 1)
+        # The first batch is out while every whole-shard GET is held: it read its rows by range.
+        assert not release.is_set() and _cached_shards(cache) == []
+        assert first == reference[:1]
+    finally:
+        release.set()
+    rest = take(loader, 25)
+    loader.close()
+    assert first + rest == reference
+    assert held  # the prefetcher did ask for whole shards, and was held until released
+    # The cache ends with whole, verified shards: every shard of the dataset.
+    cached = _cached_shards(cache)
+    assert len(cached) == index.num_shards
+    results = list(verify_all(loader.dataset.source.store))
+    assert len(results) == index.num_shards and all(status == "ok" for _, status, _ in results)
+
+
+def test_exact_resume_with_cold_caches(arrow_dir, s3_server, s3_url, tmp_path):
+    url = s3_url(arrow_dir)
+    opts = s3_server.storage_options()
+
+    def make(segment: int = 0) -> Loader:  # every segment starts with an empty cache
+        ds = Dataset(url, cache_dir=str(tmp_path / f"cache-{segment}-{len(os.listdir(tmp_path))}"),
+                     cache_limit="1GB", storage_options=opts)
+        return Loader(ds, batch_size=8, seed=5, shuffle=True, num_workers=2, transform=noisy_crop,
+                      partitions=4, window=2, tail="pad", persistent_workers=True)
+
+    local = lambda: Loader(Dataset(arrow_dir), batch_size=8, seed=5, shuffle=True,  # noqa: E731
+                           transform=noisy_crop, partitions=4, window=2, tail="pad")
+    reference = take(local(), 60)
+    assert_exact_resume(make, 60, [[1], [3, 50]], make_resumed=make, reference=reference)
+
+
+def _tamper(s3_server, url: str, name: str, lo: int, hi: int) -> None:
+    """Rewrite object `name` under `url` with bytes [lo, hi) inverted (same size, new content)."""
+    bucket, prefix = url[len("s3://"):].split("/", 1)
+    client = s3_server.client()
+    data = bytearray(client.get_object(Bucket=bucket, Key=f"{prefix}/{name}")["Body"].read())
+    data[lo:hi] = bytes(b ^ 0xFF for b in data[lo:hi])
+    s3_server.put(bucket, f"{prefix}/{name}", bytes(data))
+
+
+def test_an_object_changed_after_indexing_is_named_not_read(arrow_dir, s3_server, s3_url, tmp_path):
+    url = s3_url(arrow_dir)
+    index = Dataset(arrow_dir).index
+    info = index.shards[1]
+    _tamper(s3_server, url, info.path, info.bytes // 4, info.bytes * 3 // 4)
+    remote = _ranged(Dataset(url, cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
+                             storage_options=s3_server.storage_options()))
+    middle = [50 + 24, 50 + 25]  # rows in the middle of shard 1, inside the changed bytes
+    with pytest.raises(ChecksumMismatch, match=rf"{url}/{info.path}: bytes \d+-\d+ read by range do "
+                                               r"not match .*changed after indexing"):
+        remote.get_many(middle)
+
+
+def test_rows_read_by_range_are_verified_and_a_changed_shard_fails_loudly_later(
+        arrow_dir, s3_server, s3_url, tmp_path):
+    url = s3_url(arrow_dir)
+    index = Dataset(arrow_dir).index
+    info = index.shards[0]
+    table_end = info.bytes - 64  # the footer: no row reads it, the whole file's checksum does
+    _tamper(s3_server, url, info.path, table_end, table_end + 1)
+    remote = _ranged(Dataset(url, cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
+                             storage_options=s3_server.storage_options()))
+    remote.source.retry = type(remote.source.retry)(attempts=2, base_delay=0, checksum_attempts=1)
+    # The footer is kept in the range sidecar, so the rows still verify against the index...
+    assert remote.get_many([0, 1]) == Dataset(arrow_dir).get_many([0, 1])
+    # ...and the whole shard, once fetched, fails its checksum with the URL named.
+    with pytest.raises(FetchError, match=rf"{url}/{info.path}: checksum mismatch"):
+        remote.source.local_path(info)
+
+
+def test_a_changed_sidecar_means_reading_the_whole_shard(arrow_dir, s3_server, s3_url, tmp_path):
+    url = s3_url(arrow_dir)
+    index = Dataset(arrow_dir).index
+    sidecar = index.shards[0].extra["ranges"]
+    _tamper(s3_server, url, sidecar["path"], 100, 110)
+    remote = _ranged(Dataset(url, cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
+                             storage_options=s3_server.storage_options()))
+    with pytest.warns(UserWarning, match="sidecar does not match its index entry"):
+        assert remote.get_many([0, 1]) == Dataset(arrow_dir).get_many([0, 1])
+    assert remote.source.counters()["downloads"] == 1
+
+
+def test_an_index_without_range_sidecars_reads_whole_shards(arrow_dir, s3_server, s3_bucket, tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    data = json.loads(open(os.path.join(arrow_dir, "index.json")).read())
+    for shard in data["shards"]:
+        del shard["ranges"]  # as written before range sidecars existed
+    (old / "index.json").write_text(json.dumps(data))
+    for name in os.listdir(arrow_dir):
+        if name.endswith(".arrow"):
+            os.link(os.path.join(arrow_dir, name), old / name)
+    url = s3_server.upload_dir(str(old), s3_bucket, "ds")
+    remote = _ranged(Dataset(url, cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
+                             storage_options=s3_server.storage_options()))
+    assert not remote.source.defers_prefetch(remote.index)
+    assert remote.get_many(SAMPLES) == Dataset(arrow_dir).get_many(SAMPLES)
+    counters = remote.source.counters()
+    assert counters["range_reads"] == 0 and counters["downloads"] == len(set(np.asarray(SAMPLES) // 50))
+
+
+def test_range_reads_stop_at_the_budget(arrow_dir, s3_server, s3_url, tmp_path):
+    remote = _ranged(Dataset(s3_url(arrow_dir), cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
+                             storage_options=s3_server.storage_options()))
+    remote.source.range_budget = 0.2
+    want = Dataset(arrow_dir).get_many(range(50))
+    got = [remote.get_many([i])[0] for i in range(50)]  # one shard, row after row
+    assert got == want
+    counters = remote.source.counters()
+    assert 0 < counters["range_reads"] < 50 and counters["downloads"] == 1
+    assert counters["range_bytes"] <= 0.2 * remote.index.shards[0].bytes + (64 << 10)  # + sidecars
+
+
+def test_prefetch_waits_for_the_first_batch_only_when_it_reads_by_range(tmp_path):
+    from shardloader.cache.remote import RemoteSource
+
+    arrow = write_shards(make_samples(20), tmp_path / "a", shard_samples=10)
+    source = RemoteSource("s3://bucket/a", cache_dir=str(tmp_path / "cache"), cache_limit="1GB")
+    assert source.defers_prefetch(arrow)
+    source.range_reads = False
+    assert not source.defers_prefetch(arrow)
+    groups = _write(str(tmp_path / "p"), "parquet")  # 10 row groups per file: by range
+    assert source.defers_prefetch(Dataset(groups).index) is False  # range reads are off
+    source.range_reads = True
+    assert source.defers_prefetch(Dataset(groups).index)
+    pq.write_table(pa.table({"data": [b"x"] * 10, "label": list(range(10))}), tmp_path / "p" / "part-9.parquet")
+    assert not source.defers_prefetch(index_dataset(str(tmp_path / "p")))  # one row group: whole
