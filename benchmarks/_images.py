@@ -90,13 +90,23 @@ def _chunk(args: tuple[int, int, int, int, int]) -> list[bytes]:
         count, start=start, seed=seed, min_size=min_size, max_size=max_size)]
 
 
-def _done(path: str) -> bool:
-    return os.path.exists(os.path.join(path, "done.json"))
+#: Bumped when shardloader's writer changes what it writes, so that shards written by an
+#: older writer are rebuilt instead of measured. 2: shards carry range sidecars.
+SHARDS_VERSION = 2
 
 
-def _build(path: str, make: Callable[[str], None], what: str, log: Callable[[str], None]) -> None:
+def _done(path: str, version: int = 1) -> bool:
+    try:
+        with open(os.path.join(path, "done.json")) as f:
+            return json.load(f).get("version", 1) == version
+    except (OSError, ValueError):
+        return False
+
+
+def _build(path: str, make: Callable[[str], None], what: str, log: Callable[[str], None],
+           version: int = 1) -> None:
     """Run `make(tmp)` then rename tmp to `path` and mark it done (skipped when already done)."""
-    if _done(path):
+    if _done(path, version):
         return
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -105,7 +115,8 @@ def _build(path: str, make: Callable[[str], None], what: str, log: Callable[[str
     start = time.perf_counter()
     make(tmp)
     with open(os.path.join(tmp, "done.json"), "w") as f:
-        json.dump({"what": what, "seconds": time.perf_counter() - start}, f)
+        json.dump({"what": what, "seconds": time.perf_counter() - start,
+                   "version": version}, f)
     os.rename(tmp, path)
     log(f"  wrote {what} in {time.perf_counter() - start:.1f} s: {path}")
 
@@ -148,8 +159,8 @@ def prepare_images(
                      tmp, shard_samples=SAMPLES_PER_SHARD, format="tar", overwrite=True)
 
     _build(images.files_dir, make_files, f"{n} JPEG files", log)
-    _build(images.arrow_dir, make_arrow, "Arrow shards", log)
-    _build(images.tar_dir, make_tar, "WebDataset tar shards", log)
+    _build(images.arrow_dir, make_arrow, "Arrow shards", log, SHARDS_VERSION)
+    _build(images.tar_dir, make_tar, "WebDataset tar shards", log, SHARDS_VERSION)
     return images
 
 
