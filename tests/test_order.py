@@ -356,3 +356,27 @@ def test_resident_shards_per_rank_stay_within_the_budget(shards, world):
         sequence = order.samples_at(np.arange(order.num_samples))
         for rank in range(world):
             assert _most_open_shards(order.shards_of(sequence[rank::world])) <= budget
+
+
+@pytest.mark.parametrize("tail", ["drop", "pad", "partial"])
+def test_step_plan_blocks_give_each_steps_own_samples(tail):
+    """StepPlan computes BLOCK_STEPS steps in one call; each step's samples must equal that
+    step computed alone, whatever order steps are asked in (workers take every W-th step),
+    across block boundaries, the epoch's last (short or padded) step and other ranks."""
+    from shardloader.loader.plan import BLOCK_STEPS, StepPlan
+
+    sizes = np.asarray([300, 420, 241])
+    world, per_rank = 2, 7
+    steps = steps_per_epoch(int(sizes.sum()), per_rank * world, tail)
+    assert steps > 3 * BLOCK_STEPS
+    asked = list(range(1, steps, 2)) + list(range(steps - 1, -1, -2)) + [0, steps - 1, 5]
+    for rank in range(world):
+        plan = StepPlan(sizes, 4, ShuffleSettings(shuffle=True), rank, world, per_rank * world, tail)
+        alone = StepPlan(sizes, 4, ShuffleSettings(shuffle=True), rank, world, per_rank * world, tail)
+        for epoch in (0, 3):
+            for step in asked:
+                expected = alone.order(epoch).samples_at(alone.positions(step))
+                got = plan.samples(epoch, step)
+                assert got.tolist() == expected.tolist(), (rank, epoch, step)
+        other = 1 - rank
+        assert plan.samples(0, 2, other).tolist() == alone.order(0).samples_at(alone.positions(2, other)).tolist()

@@ -15,6 +15,15 @@ import numpy as np
 from shardloader.order.partition import step_positions
 from shardloader.order.shuffle import EpochOrder, ShuffleSettings
 
+#: Steps whose samples are computed in one call. The order's Feistel rounds on one batch's
+#: few dozen indices cost mostly numpy's per-call overhead: on this project's 2-core machine a
+#: 64-sample step took 0.59 ms alone and 0.08 ms as part of a block of 16 (about 3% of a
+#: worker's time per batch of DecodeCropFlip(112) saved). Each sample's index is computed independently of the
+#: others, so the block gives exactly the per-step result.
+BLOCK_STEPS = 16
+#: Blocks kept: a prefetch thread and the training thread of one process read different ones.
+_BLOCKS_KEPT = 4
+
 
 @dataclass
 class StepPlan:
@@ -27,6 +36,7 @@ class StepPlan:
     tail: str
     _cache: dict[int, EpochOrder] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # thread workers
+    _blocks: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict, repr=False)
 
     @property
     def num_samples(self) -> int:
@@ -48,11 +58,26 @@ class StepPlan:
                               self.global_batch_size, self.num_samples, self.tail)
 
     def samples(self, epoch: int, step: int, rank: int | None = None) -> np.ndarray:
-        return self.order(epoch).samples_at(self.positions(step, rank))
+        """Global sample indices this rank (or `rank`) reads at `step` of `epoch`."""
+        if rank is not None and rank != self.rank:
+            return self.order(epoch).samples_at(self.positions(step, rank))
+        first = step - step % BLOCK_STEPS
+        with self._lock:
+            block = self._blocks.get((epoch, first))
+        if block is None:
+            positions = [self.positions(s) for s in range(first, first + BLOCK_STEPS)]
+            merged = self.order(epoch).samples_at(np.concatenate(positions))
+            block = np.split(merged, np.cumsum([p.size for p in positions])[:-1])
+            with self._lock:
+                self._blocks[(epoch, first)] = block
+                while len(self._blocks) > _BLOCKS_KEPT:
+                    self._blocks.pop(next(iter(self._blocks)))
+        return block[step - first].copy()
 
     def __getstate__(self) -> dict[str, object]:
         state = self.__dict__.copy()
         state["_cache"] = {}
+        state["_blocks"] = {}
         del state["_lock"]
         return state
 
