@@ -38,6 +38,17 @@ def test_a_ratio_measured_per_round_wins_over_the_ratio_of_values():
     assert f.ours_to_best() == 1.1
 
 
+def test_the_goal_of_a_per_round_ratio_is_checked_on_the_ratio_shown():
+    """Medians 2,940 vs 3,100 (0.948) but per-round ratios with median 0.97: "met" must agree
+    with the ratio column, in both directions."""
+    kw = dict(goal="≥ 0.95× best peer", check=lambda o, p: o >= 0.95 * max(p.values()),
+              ratio_check=lambda r, p: r >= 0.95)
+    shown_met = Figure("parity", "{:,.0f}", True, {OURS: 2940.0, "FFCV": 3100.0}, ratio=0.97, **kw)
+    assert shown_met.met() == "yes"
+    shown_missed = Figure("parity", "{:,.0f}", True, {OURS: 3000.0, "FFCV": 3100.0}, ratio=0.94, **kw)
+    assert shown_missed.met() == "no"
+
+
 def test_unmeasured_cells_are_na_with_the_reason_under_the_table():
     f = Figure("peak RSS", "{:,.0f}", False, {OURS: 900.0},
                why={"torch DataLoader": "failed: boom", "FFCV": "not installed here"},
