@@ -250,10 +250,6 @@ class ProcessPool:
         self._receiver_error: str | None = None
         self._receiver = threading.Thread(target=self._receive, name="shardloader-receiver",
                                           daemon=True)
-        # Tasks reach the workers' pipes from this thread, not from next() (see `submit`).
-        self._outbox: queue.SimpleQueue[tuple[int, BatchTask] | None] = queue.SimpleQueue()
-        self._submitter = threading.Thread(target=self._submit_loop, name="shardloader-submitter",
-                                           daemon=True)
         _LIVE_POOLS.add(self)  # before forking: each worker closes what it must not hold
         parent_pid, use_signal = os.getpid(), started_from_main_thread()
         try:
@@ -271,31 +267,13 @@ class ProcessPool:
             self.close()
             raise
         self._receiver.start()
-        self._submitter.start()
 
     def submit(self, task: BatchTask) -> None:
-        """Assign `task` to the next worker; the submitter thread writes it to that worker's
-        pipe. Why not here: this runs inside next() on the training thread, and the pipe write
-        wakes a worker that sleeps once it is ahead; measured on 2 cores with the consumer at
-        80% of capacity, the training thread's CPU time per next() went from 0.33-0.36 ms to
-        0.21-0.27 ms (medians of 3 runs each; submit_next 0.20 -> 0.10 ms). A worker that is
-        gone makes the write fail there; `get` then reports the dead worker, as before."""
         worker_id = self._next_worker
         self._next_worker = (self._next_worker + 1) % len(self._workers)
         with self._cond:
             self._assigned[task.task_id] = worker_id
-        self._outbox.put((worker_id, task))
-
-    def _submit_loop(self) -> None:
-        while True:
-            item = self._outbox.get()
-            if item is None or self._closed:
-                return
-            worker_id, task = item
-            try:
-                self._task_queues[worker_id].put(task)
-            except (OSError, ValueError):  # the worker died or the pool closed: get() reports it
-                pass
+        self._task_queues[worker_id].put(task)
 
     def _receive(self) -> None:
         """The receiver thread: results into `_done`, batches copied out of their slots."""
@@ -381,7 +359,6 @@ class ProcessPool:
             return
         self._closed = True
         _LIVE_POOLS.discard(self)
-        self._outbox.put(None)
         deadline = time.monotonic() + max(0.0, timeout)
         for tasks, process in zip(self._task_queues, self._workers):
             if process.is_alive():  # a dead worker's pipe may be full: never block on it
@@ -399,8 +376,6 @@ class ProcessPool:
             _join_all(alive, time.monotonic() + grace)
         if self._receiver is not threading.current_thread() and self._receiver.is_alive():
             self._receiver.join(max(0.0, min(2 * _POLL_SECONDS, deadline - time.monotonic())) or 0.01)
-        if self._submitter.is_alive():  # ends at the None above (or is stuck in a dead pipe)
-            self._submitter.join(max(0.0, min(_POLL_SECONDS, deadline - time.monotonic())) or 0.01)
         self._results.cancel_join_thread()
         self._results.close()
         for q in (*self._task_queues, *self._slot_returns):
@@ -421,7 +396,6 @@ class ProcessPool:
             return
         self._closed = True
         _LIVE_POOLS.discard(self)
-        self._outbox.put(None)
         for process in self._workers:
             try:
                 if process.is_alive():
