@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 
 def median_time(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -73,7 +75,7 @@ def spread(values: Sequence[float]) -> str:
     return f"{_fmt(min(values))}-{_fmt(max(values))}"
 
 
-def _children(pid: int) -> list[int]:
+def child_pids(pid: int) -> list[int]:
     """Direct child processes of `pid` (Linux /proc; any thread may be the parent)."""
     out: list[int] = []
     try:
@@ -109,7 +111,7 @@ def tree_cpu_seconds() -> dict[int, float]:
         if pid in seen:
             continue
         seen[pid] = _process_cpu(pid)
-        todo += _children(pid)
+        todo += child_pids(pid)
     seen[os.getpid()] = time.process_time()  # finer than clock ticks for this process
     return seen
 
@@ -118,3 +120,12 @@ def cpu_used(before: dict[int, float], after: dict[int, float]) -> float:
     """CPU seconds used between two `tree_cpu_seconds()` snapshots by processes alive at the end
     (a process that started in between counts from zero)."""
     return sum(t - before.get(pid, 0.0) for pid, t in after.items())
+
+
+def emit(text: str, results: Any, json_path: str | None) -> None:
+    """Print a benchmark's report and, when asked, save its raw results as JSON."""
+    print()
+    print(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(results, f, indent=1)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from benchmarks._common import _children
+from benchmarks._common import child_pids
 
 
 def tree_pids(root: int) -> list[int]:
@@ -30,7 +30,7 @@ def tree_pids(root: int) -> list[int]:
         if pid in seen:
             continue
         seen.append(pid)
-        todo += _children(pid)
+        todo += child_pids(pid)
     return seen
 
 

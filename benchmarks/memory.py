@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks._common import load_average, machine, table
+from benchmarks._common import child_pids, load_average, machine, table
 
 LOADERS = ("shardloader", "dataloader")
 LABELS = {"shardloader": "shardloader Loader (Arrow)", "dataloader": "torch DataLoader (files)",
@@ -105,21 +105,6 @@ def _mark(what: str) -> None:
 
 
 # -- sampling ---------------------------------------------------------------------------------
-
-
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return out
 
 
 def _rollup(pid: int) -> dict[str, int] | None:
@@ -215,7 +200,7 @@ def _measure(which: str, n: int, batches: int, workers: int, interval: float,
     first_out.wait()
     while proc.poll() is None:
         total_rss = total_pss = 0
-        tree = [(proc.pid, "main")] + [(c, "") for c in _children(proc.pid)]
+        tree = [(proc.pid, "main")] + [(c, "") for c in child_pids(proc.pid)]
         seen = 0
         for pid, role in tree:
             values = _rollup(pid)

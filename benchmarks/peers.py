@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -67,7 +66,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks._common import load_average, machine, spread, table
+from benchmarks._common import emit, load_average, machine, spread, table
 from benchmarks._images import ImageSet, describe, prepare_images
 
 SIZE = 112
@@ -615,11 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="also write the raw results here")
     args = parser.parse_args(argv)
     results = run(args.n, args.only, args.stall_batches, args.rounds)
-    print()
-    print(report(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    emit(report(results), results, args.json)
     return 0
 
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks import peers
-from benchmarks._common import cpu_used, load_average, machine, table, tree_cpu_seconds
+from benchmarks._common import cpu_used, emit, load_average, machine, table, tree_cpu_seconds
 from benchmarks._images import ImageSet, describe, prepare_images
 from benchmarks._measure import PeakMemory
 
@@ -561,11 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                   repeats=args.repeats or (1 if quick else 3),
                   stall_batches=args.stall_batches or (30 if quick else 100),
                   limit_samples=500 if quick else 2_000, only=args.only)
-    print()
-    print(report(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    emit(report(results), results, args.json)
     return 0
 
 

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import gc
 import io
-import json
 import multiprocessing
 import os
 import sys
@@ -57,6 +56,7 @@ import torch
 
 from benchmarks._common import (
     cpu_used,
+    emit,
     load_average,
     machine,
     median,
@@ -616,18 +616,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.fast_path:
         results = fast_path(args.n, args.epochs, args.worker_types, args.transforms,
                             args.limit_samples, args.stall_batches, args.limit_kinds)
-        print()
-        print(report_fast_path(results))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1)
+        emit(report_fast_path(results), results, args.json)
         return 0
     results = run(args.n, args.epochs, args.ttfb_repeats, args.only, args.limit_samples)
-    print()
-    print(report(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    emit(report(results), results, args.json)
     return 0
 
 
