@@ -25,6 +25,7 @@ BENCHMARKS = {
     "throughput": ["-m", "benchmarks.throughput"],
     "peers": ["-m", "benchmarks.peers"],
     "speed": ["-m", "benchmarks.speed"],  # issue 14's table, beside FFCV and litdata
+    "memory": ["-m", "benchmarks.memory"],  # per-process RSS/PSS breakdown beside DataLoader
     "cache": ["-m", "benchmarks.cache"],
     "telemetry_overhead": ["-m", "benchmarks.telemetry_overhead"],
     "checkpoint": ["-m", "benchmarks.checkpoint", "--sizes", "256M,1G"],
