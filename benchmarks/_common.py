@@ -101,17 +101,23 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def tree_cpu_seconds() -> dict[int, float]:
-    """CPU seconds used so far by each process in this process's tree (this one included),
-    keyed by pid. Subtract two snapshots to get what a loader and its workers used."""
-    seen: dict[int, float] = {}
-    todo = [os.getpid()]
+def tree_pids(root: int) -> list[int]:
+    """`root` and every live descendant of it (through /proc/<pid>/task/*/children)."""
+    seen: list[int] = []
+    todo = [root]
     while todo:
         pid = todo.pop()
         if pid in seen:
             continue
-        seen[pid] = _process_cpu(pid)
+        seen.append(pid)
         todo += child_pids(pid)
+    return seen
+
+
+def tree_cpu_seconds() -> dict[int, float]:
+    """CPU seconds used so far by each process in this process's tree (this one included),
+    keyed by pid. Subtract two snapshots to get what a loader and its workers used."""
+    seen = {pid: _process_cpu(pid) for pid in tree_pids(os.getpid())}
     seen[os.getpid()] = time.process_time()  # finer than clock ticks for this process
     return seen
 

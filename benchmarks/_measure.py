@@ -18,23 +18,24 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from benchmarks._common import child_pids
+from benchmarks._common import tree_pids
+
+_FIELDS = {"Rss": "rss", "Pss": "pss", "Pss_Anon": "pss_anon"}
 
 
-def tree_pids(root: int) -> list[int]:
-    """`root` and every live descendant of it (through /proc/<pid>/task/*/children)."""
-    seen: list[int] = []
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.append(pid)
-        todo += child_pids(pid)
-    return seen
-
-
-_FIELDS = {"Rss:": "rss", "Pss:": "pss", "Pss_Anon:": "pss_anon"}
+def smaps_rollup(pid: int) -> dict[str, int] | None:
+    """Every field of /proc/<pid>/smaps_rollup that is a size, in kB by its name ("Rss",
+    "Pss_Anon", ...), or None once the process is gone (a zombie's rollup is empty)."""
+    values: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if rest.rstrip().endswith("kB"):
+                    values[name] = int(rest.split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return values if "Rss" in values else None
 
 
 def process_memory(pid: int) -> dict[str, int]:
@@ -42,16 +43,8 @@ def process_memory(pid: int) -> dict[str, int]:
     when it is gone (or is a zombie, whose rollup is empty). `pss_anon` is the part of PSS
     that is not file-backed (heap, arrays): mapped files such as memory-mapped shards count in
     RSS and PSS but are page cache the kernel can drop."""
-    out = dict.fromkeys(_FIELDS.values(), 0)
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                key = _FIELDS.get(line.split(maxsplit=1)[0])
-                if key:
-                    out[key] = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return dict.fromkeys(_FIELDS.values(), 0)
-    return out
+    rollup = smaps_rollup(pid) or {}
+    return {key: rollup.get(name, 0) * 1024 for name, key in _FIELDS.items()}
 
 
 def tree_memory(root: int) -> dict[str, int]:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks._common import child_pids, load_average, machine, table
+from benchmarks._measure import smaps_rollup
 
 LOADERS = ("shardloader", "dataloader")
 LABELS = {"shardloader": "shardloader Loader (Arrow)", "dataloader": "torch DataLoader (files)",
@@ -108,14 +109,13 @@ def _mark(what: str) -> None:
 
 
 def _rollup(pid: int) -> dict[str, int] | None:
-    """Rss/Pss fields (kB) of /proc/<pid>/smaps_rollup, or None once the process is gone."""
-    values: dict[str, int] = {}
+    """Rss/Pss fields (kB) of /proc/<pid>/smaps_rollup plus VmHWM and Threads from its status,
+    or None once the process is gone."""
+    rollup = smaps_rollup(pid)
+    if rollup is None:
+        return None
+    values = {name: rollup[name] for name in _ROLLUP_FIELDS if name in rollup}
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name in _ROLLUP_FIELDS:
-                    values[name] = int(rest.split()[0])
         with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith(("VmHWM:", "Threads:")):
@@ -123,7 +123,7 @@ def _rollup(pid: int) -> dict[str, int] | None:
                     values[name] = int(rest.split()[0])
     except (OSError, ValueError, IndexError):
         return None
-    return values if "Rss" in values else None
+    return values
 
 
 def _libraries(pid: int) -> list[str]:

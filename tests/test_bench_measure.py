@@ -9,7 +9,8 @@ import textwrap
 
 import pytest
 
-from benchmarks._measure import PeakMemory, process_memory, tree_memory, tree_pids
+from benchmarks._common import tree_pids
+from benchmarks._measure import PeakMemory, process_memory, tree_memory
 
 MiB = 1 << 20
 
