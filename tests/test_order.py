@@ -18,6 +18,7 @@ from shardloader.order import (
     ShuffleSettings,
     epoch_length,
     padded_samples,
+    step_counts,
     step_positions,
     steps_per_epoch,
 )
@@ -166,6 +167,22 @@ def test_ranks_partition_each_step_and_tail_ignores_world(tail, n, global_batch)
         assert padded_samples(n, global_batch, tail) == length - n
     if tail == "drop":
         assert length == (n // global_batch) * global_batch
+
+
+@pytest.mark.parametrize("tail", ["pad", "drop", "partial"])
+def test_step_counts_are_those_of_step_positions(tail):
+    """The arithmetic counts equal the positions' size and padding, exhaustively."""
+    for n in range(0, 30):
+        for global_batch in range(1, 13):
+            for world in [w for w in range(1, global_batch + 1) if global_batch % w == 0]:
+                for step in range(steps_per_epoch(n, global_batch, tail) + 1):
+                    for rank in range(world):
+                        positions = np.arange(step * global_batch + rank,
+                                              min(step * global_batch + global_batch,
+                                                  epoch_length(n, global_batch, tail)), world)
+                        assert step_counts(step, rank, world, global_batch, n, tail) == (
+                            len(step_positions(step, rank, world, global_batch, n, tail)),
+                            int(np.count_nonzero(positions >= n))), (n, global_batch, world, step, rank)
 
 
 def test_pad_gives_every_rank_equal_full_batches():

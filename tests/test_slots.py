@@ -52,19 +52,68 @@ def test_roundtrip_is_exact_for_any_structure(pair):
     assert grad_out.requires_grad and torch.equal(grad_out.detach(), grad_in.detach())
 
 
-def test_unpacked_batch_owns_its_memory_and_the_slot_is_reused(pair):
+def test_a_lent_slot_is_not_reused_until_every_tensor_of_its_batch_is_gone(pair):
     writer, reader = pair
-    first = reader.unpack(0, writer.pack({"x": torch.full((1000,), 1.0)}), wanted=True)
+    first = reader.unpack(0, writer.pack({"x": torch.full((1000,), 1.0), "y": torch.arange(3)}),
+                          wanted=True)
+    kept = first["x"][10:20].numpy()  # a numpy view of a slice: still the slot's memory
+    label = first["y"]
+    del first
+    reader.give_back_freed()
     packed = writer.pack({"x": torch.full((1000,), 2.0)})
-    assert packed.slot == 0 and not packed.new_slots  # the same slot, nothing new sent
+    assert packed.slot == 1 and packed.new_slots  # slot 0 is still lent: a new one, no wait
     second = reader.unpack(0, packed, wanted=True)
-    assert torch.equal(first["x"], torch.full((1000,), 1.0))  # not overwritten by the reuse
+    assert np.array_equal(kept, np.full(10, 1.0, dtype=np.float32))  # not overwritten
+    assert torch.equal(label, torch.arange(3))
+    del kept
+    reader.give_back_freed()
+    assert writer.pack({"x": torch.zeros(3)}).slot == 2  # slot 0 still lent (label), 1 too
+    del label
+    reader.give_back_freed()
+    assert writer.pack({"x": torch.zeros(3)}).slot == 0  # every tensor gone: slot 0 is back
     assert torch.equal(second["x"], torch.full((1000,), 2.0))
+
+
+def test_a_lent_tensor_has_its_own_storage_of_exactly_its_bytes(pair):
+    writer, reader = pair
+    batch = {"image": torch.zeros(64, 8, 8, 3, dtype=torch.uint8), "label": torch.arange(64)}
+    out = reader.unpack(0, writer.pack(batch), wanted=True)
+    assert out["label"].untyped_storage().nbytes() == 64 * 8  # not the whole slot
+    assert out["image"].untyped_storage().nbytes() == 64 * 8 * 8 * 3
+    assert_identical(out, batch)
+
+
+def test_past_the_lending_limit_batches_are_copied_and_their_slots_come_back(pair):
+    writer, reader = pair
+    kept = [reader.unpack(0, writer.pack({"x": torch.full((7,), float(i))}), wanted=True)
+            for i in range(slots.LEND_PER_WORKER)]
+    assert writer.pack({"x": torch.zeros(1)}).slot == slots.LEND_PER_WORKER  # in flight
+    packed = writer.pack({"x": torch.full((7,), 9.0)})
+    assert packed.slot == slots.LEND_PER_WORKER + 1  # the previous one was never unpacked
+    copied = reader.unpack(0, packed, wanted=True)  # the limit is reached: a private copy
+    assert torch.equal(copied["x"], torch.full((7,), 9.0))
+    assert copied["x"].untyped_storage().nbytes() == 7 * 4
+    assert writer.pack({"x": torch.zeros(1)}).slot == slots.LEND_PER_WORKER + 1  # back at once
+    for i, batch in enumerate(kept):
+        assert torch.equal(batch["x"], torch.full((7,), float(i)))
+
+
+def test_a_lent_batch_outlives_the_reader_and_its_worker(pair):
+    """Tensors handed out stay valid after the pool is gone: they hold the slot's mapping."""
+    writer, reader = pair
+    batch = {"x": torch.arange(5000, dtype=torch.int32)}
+    out = reader.unpack(0, writer.pack(batch), wanted=True)
+    reader.clear()
+    del writer
+    assert_identical(out, batch)
+    del out
+    reader.give_back_freed()  # closed: nothing is sent
 
 
 def test_a_larger_batch_gets_a_larger_slot_and_retires_the_small_one(pair):
     writer, reader = pair
-    reader.unpack(0, writer.pack({"x": torch.zeros(10)}), wanted=True)
+    reader.unpack(0, writer.pack({"x": torch.zeros(10)}), wanted=True)  # dropped at once
+    reader.give_back_freed()
     big = torch.arange(2_000_000, dtype=torch.int32)  # 8 MB, more than the first slot
     packed = writer.pack({"x": big})
     assert packed.retired == (0,) and list(packed.new_slots) == [1]
@@ -79,7 +128,8 @@ def test_a_worker_never_waits_for_a_slot(pair):
     assert [p.slot for p in packed] == [0, 1, 2]
     for i, p in enumerate(packed):
         assert torch.equal(reader.unpack(0, p, wanted=True)["x"], torch.full((5,), float(i)))
-    assert writer.pack({"x": torch.zeros(5)}).slot in (0, 1, 2)
+    reader.give_back_freed()  # the batches were dropped: their slots go home
+    assert writer.pack({"x": torch.zeros(5)}).slot == 0
 
 
 def test_a_discarded_batch_still_gives_its_slot_back(pair):
@@ -114,7 +164,8 @@ def test_a_tensor_built_in_a_slot_travels_without_a_copy_and_exactly(pair, monke
     assert (4, 6, 5, 3) not in copied and copied  # the other tensors were copied in after it
     monkeypatch.undo()
     assert_identical(reader.unpack(0, packed, wanted=True), expected)
-    # The slot came back: the next allocation reuses it, nothing new is sent.
+    reader.give_back_freed()
+    # The batch was dropped, its slot came back: the next allocation reuses it.
     batch, expected = _built_in_slot(writer)
     packed = writer.pack(batch)
     assert packed.slot == 0 and not packed.new_slots

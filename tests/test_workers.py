@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -13,6 +14,8 @@ import torch
 
 from shardloader import Dataset, Loader
 from shardloader.format.writer import write_shards
+from shardloader.loader import slots
+from tests.resume import assert_identical
 from tests.sample_transforms import make_samples, noisy_crop
 
 
@@ -56,6 +59,37 @@ def test_abandoned_iterations_give_their_slots_back(dataset_dir):
         # return is still on its way when the worker packs its next batch, and one for a
         # result of the previous round the receiver has not reached yet under load.
         assert len(loader._pool._slots._slots) <= 2 * (4 + 2)
+    finally:
+        loader.close()
+
+
+def test_kept_batches_stay_exact_and_their_slots_stay_bounded(dataset_dir):
+    """Batches are views of the workers' slots until dropped. A script that keeps every batch
+    gets them exact (past the lending limit they are copied), each worker's slots stay few,
+    and the kept batches survive the workers (killed) and the closed loader."""
+    expected = list(make(dataset_dir, num_workers=0))
+    loader = make(dataset_dir)
+    try:
+        kept = list(loader)
+        assert len(loader._pool._slots._slots) <= 2 * (slots.LEND_PER_WORKER + 2 + 2)
+        pids = loader._pool.pids()
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+    finally:
+        loader.close()
+    assert_identical(kept, expected)
+
+
+def test_a_loop_that_drops_its_batches_reuses_a_few_slots(dataset_dir):
+    loader = make(dataset_dir, prefetch_factor=2)
+    try:
+        for _ in range(3):
+            for batch in loader:
+                batch["crop"].add_(1)  # in place, in the slot: the user's memory until dropped
+        # Per worker: 2 in flight, the one being handed out, the user's, and under load up to
+        # two dropped ones the receiver has not sent back yet (9 measured). A slot never given
+        # back would leave one per batch: over 100 here.
+        assert len(loader._pool._slots._slots) <= 2 * (2 + 4)
     finally:
         loader.close()
 

@@ -461,13 +461,9 @@ class _EpochIterator:
         while self.to_submit < self.steps:
             step = self.to_submit
             self.to_submit += 1
-            size = loader._plan.positions(step).size
+            size, padded = loader._plan.counts(step)
             if size == 0:  # tail="partial": nothing falls to this rank
                 continue
-            first = step * loader.global_batch_size
-            padded = int(np.count_nonzero(
-                np.arange(first + loader.rank, first + loader.global_batch_size, loader.world_size)
-                >= loader.num_samples)) if loader.tail == "pad" else 0
             # With workers, the order is computed in the worker; inline, here (same thread).
             samples = None if loader.num_workers > 0 else loader.step_samples(self.epoch, step)
             task = BatchTask(loader._new_task_id(), self.epoch, step, samples, padded, size)

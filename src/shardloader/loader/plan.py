@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shardloader.order.partition import step_positions
+from shardloader.order.partition import step_counts, step_positions
 from shardloader.order.shuffle import EpochOrder, ShuffleSettings
 
 #: Steps whose samples are computed in one call. The order's Feistel rounds on one batch's
@@ -40,7 +40,10 @@ class StepPlan:
 
     @property
     def num_samples(self) -> int:
-        return int(self.shard_sizes.sum())
+        total = self.__dict__.get("_num_samples")
+        if total is None:  # the shard sizes never change: summed once (numpy's sum is ~40 us)
+            total = self.__dict__["_num_samples"] = int(self.shard_sizes.sum())
+        return total
 
     def order(self, epoch: int) -> EpochOrder:
         """The epoch's order; the last two epochs are kept (an epoch boundary needs both)."""
@@ -56,6 +59,11 @@ class StepPlan:
     def positions(self, step: int, rank: int | None = None) -> np.ndarray:
         return step_positions(step, self.rank if rank is None else rank, self.world_size,
                               self.global_batch_size, self.num_samples, self.tail)
+
+    def counts(self, step: int) -> tuple[int, int]:
+        """(samples, padded) this rank reads at `step`, without computing which."""
+        return step_counts(step, self.rank, self.world_size, self.global_batch_size,
+                           self.num_samples, self.tail)
 
     def samples(self, epoch: int, step: int, rank: int | None = None) -> np.ndarray:
         """Global sample indices this rank (or `rank`) reads at `step` of `epoch`."""

@@ -226,9 +226,10 @@ def _lower_priority() -> None:
 class ProcessPool:
     """Worker processes; tasks are dealt round-robin, results reordered by task id.
 
-    A receiver thread takes results off the queue as they arrive and copies their batches out
-    of the workers' slots, so that `get` usually finds its batch ready: the caller's thread
-    (the training loop) does not pay for unpickling and copying inside next().
+    A receiver thread takes results off the queue as they arrive and unpacks their batches
+    (views of the workers' slots), so that `get` usually finds its batch ready: the caller's
+    thread (the training loop) does not pay for unpickling inside next(). It also sends the
+    slots of batches the training loop has dropped back to their workers.
     """
 
     def __init__(self, producer: BatchProducer, num_workers: int, *, context: str | None = None,
@@ -276,8 +277,9 @@ class ProcessPool:
         self._task_queues[worker_id].put(task)
 
     def _receive(self) -> None:
-        """The receiver thread: results into `_done`, batches copied out of their slots."""
+        """The receiver thread: results into `_done`, slots of dropped batches given back."""
         while not self._closed:
+            self._slots.give_back_freed()  # batches the training loop has dropped meanwhile
             try:
                 message = self._results.get(timeout=_POLL_SECONDS)
             except queue.Empty:
@@ -333,8 +335,7 @@ class ProcessPool:
         return payload
 
     def ready(self) -> int:
-        with self._cond:
-            return len(self._done)
+        return len(self._done)  # one atomic read (GIL): no lock on the training thread
 
     def discard_pending(self) -> None:
         with self._cond:

@@ -5,6 +5,7 @@ from shardloader.order.partition import (
     dropped_samples,
     epoch_length,
     padded_samples,
+    step_counts,
     step_positions,
     steps_per_epoch,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "padded_samples",
     "sample_generator",
     "sample_key",
+    "step_counts",
     "step_positions",
     "steps_per_epoch",
 ]

@@ -77,3 +77,19 @@ def step_positions(
     if num_samples and positions.size and positions[-1] >= num_samples:
         positions = positions % num_samples
     return positions
+
+
+def step_counts(
+    step: int, rank: int, world_size: int, global_batch: int, num_samples: int, tail: str
+) -> tuple[int, int]:
+    """(size, padded) of `step_positions(...)` without building it: how many positions rank
+    `rank` reads at `step`, and how many of them are padding (past N, wrapped). Arithmetic on
+    ranges: the training thread asks this for every batch it submits, and the array costs
+    ~40 us of numpy overhead each time."""
+    check_world(global_batch, world_size, rank)
+    length = epoch_length(num_samples, global_batch, tail)
+    start = step * global_batch + rank
+    stop = min(step * global_batch + global_batch, length)
+    size = len(range(start, stop, world_size))
+    return size, size - len(range(start, min(stop, num_samples), world_size))
+
