@@ -10,7 +10,7 @@ import pyarrow as pa
 import pytest
 
 from shardloader import Dataset, write_shards
-from shardloader.errors import SchemaError, ShardError
+from shardloader.errors import SchemaError, ShardChangedError, ShardError
 from shardloader.format import writer
 from shardloader.format.arrow import ArrowShardReader
 from tests.fixtures.data import copy_dataset, make_samples
@@ -63,6 +63,38 @@ def test_read_rows_across_record_batches_keeps_order(tmp_path, monkeypatch):
     assert reader.read_rows([]) == []
     with pytest.raises(IndexError, match="out of range"):
         reader.read_rows([60])
+    reader.close()
+
+
+def test_binary_rows_are_read_at_their_place_in_the_file(tmp_path):
+    """Binary and string values are read with pread, not through the mapping: byte for byte
+    the same, and a shard of only such columns and numbers gives no pages back after a read
+    (there are none to give); one with a tensor column does."""
+    plain = [{"data": os.urandom(100 + i), "name": f"n{i}", "label": i} for i in range(50)]
+    index = write_shards(plain, tmp_path / "plain")
+    info = index.shards[0]
+    with ArrowShardReader(str(tmp_path / "plain" / info.path), info, index.schema) as reader:
+        rows = [49, 0, 7, 7, 30]
+        assert reader.read_rows(rows) == [plain[r] for r in rows]
+        assert not reader._drop_pages
+    with_tensor = make_samples(20, seed=1, array=True)
+    index = write_shards(with_tensor, tmp_path / "tensor")
+    info = index.shards[0]
+    with ArrowShardReader(str(tmp_path / "tensor" / info.path), info, index.schema) as reader:
+        assert reader._drop_pages
+
+
+def test_a_shard_shortened_between_the_check_and_the_read_is_named(tmp_path, monkeypatch):
+    samples = [{"data": os.urandom(4000), "label": i} for i in range(40)]
+    index = write_shards(samples, tmp_path / "ds")
+    info = index.shards[0]
+    path = str(tmp_path / "ds" / info.path)
+    reader = ArrowShardReader(path, info, index.schema)
+    monkeypatch.setattr(reader._guard, "check", lambda: None)  # the race: after the check
+    with open(path, "r+b") as f:
+        f.truncate(info.bytes // 3)
+    with pytest.raises(ShardChangedError, match=rf"{path}: the file is shorter than when it was opened"):
+        reader.read_rows([39])
     reader.close()
 
 

@@ -2,7 +2,8 @@
 
 The file is mapped with `pa.memory_map` and its record batches are opened zero-copy, so opening
 a shard reads only its footer and batch metadata. Reading rows slices just those rows out of
-the mapped column buffers (`BatchRows`) and converts only them to Python values. Files are
+the mapped column buffers (`BatchRows`) and converts only them to Python values; binary and
+string values are read with `pread` at their place in the file (see `schema._varlen_reader`). Files are
 written uncompressed (see `shardloader.format.writer`) so that nothing has to be decoded.
 Before and after each read the reader checks that the mapped file still has the identity it was
 opened with (`shardloader.format.identity`), so a shard truncated under it is a ShardError
@@ -21,7 +22,14 @@ from shardloader.errors import ShardError, ShardloaderError
 from shardloader.format.identity import FileIdentity
 from shardloader.format.index import ShardInfo
 from shardloader.format.reader import MappedPages, memory_map_shard
-from shardloader.format.schema import BatchRows, check_shard, gather_rows, null_counts, schema_names
+from shardloader.format.schema import (
+    BatchRows,
+    MappedFile,
+    check_shard,
+    gather_rows,
+    null_counts,
+    schema_names,
+)
 
 
 class ArrowShardReader:
@@ -45,7 +53,9 @@ class ArrowShardReader:
                 batch.validate()
             counts = np.fromiter((b.num_rows for b in batches), dtype=np.int64, count=len(batches))
             self._offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(counts)])
-            self._batches = [BatchRows(b, where=path, first_row=int(first))
+            mapped = (MappedFile(self._map.fileno(), self._pages.address, self._pages.size, path)
+                      if self._pages.address else None)
+            self._batches = [BatchRows(b, where=path, first_row=int(first), mapped=mapped)
                              for b, first in zip(batches, self._offsets)]
         except (pa.ArrowException, OSError, ValueError) as e:
             self._map.close()
@@ -53,6 +63,9 @@ class ArrowShardReader:
                 f"{path}: not a readable Arrow IPC file (truncated or corrupt?): {e}"
             ) from None
         self._raw = batches
+        # Rows read with pread (binary, strings) and numbers leave few pages mapped: the
+        # madvise after each read would cost more (the offsets refault) than it saves.
+        self._drop_pages = any(b.maps_rows for b in self._batches)
         try:
             check_shard(path, len(self), info.samples, schema_names(reader.schema), schema)
         except ShardloaderError:
@@ -74,7 +87,8 @@ class ArrowShardReader:
         records = gather_rows(self._offsets, rows,
                               lambda b, local: self._batches[b].records(local), where=self.path)
         self._guard.check()
-        self._pages.drop()  # the rows are copies: the touched pages need not stay resident
+        if self._drop_pages:
+            self._pages.drop()  # the rows are copies: the touched pages need not stay resident
         return records
 
     def null_counts(self) -> dict[str, int]:

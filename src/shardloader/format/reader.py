@@ -76,9 +76,7 @@ class MappedPages:
 
     def __init__(self, mapped: Any) -> None:
         self._mapped = mapped
-        self._address = self._size = 0
-        if _madvise is None:
-            return
+        self._address = self._size = 0  # of the whole mapping, when known
         try:
             size = mapped.size()
             if size <= 0:
@@ -92,8 +90,17 @@ class MappedPages:
         if view.address % mmap.PAGESIZE == 0 and view.size == size:
             self._address, self._size = view.address, size
 
+    @property
+    def address(self) -> int:
+        """Where the mapping starts (0 when unknown)."""
+        return self._address
+
+    @property
+    def size(self) -> int:
+        return self._size
+
     def drop(self) -> None:
-        if self._address and not self._mapped.closed:
+        if _madvise is not None and self._address and not self._mapped.closed:
             _madvise(self._address, self._size, _MADV_DONTNEED)
 
 

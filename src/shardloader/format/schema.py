@@ -23,6 +23,7 @@ Large Arrow variants (large_binary, large_string) read as binary and string.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from shardloader.arrays import sorted_unique
-from shardloader.errors import SchemaError, ShardError
+from shardloader.errors import SchemaError, ShardChangedError, ShardError
 
 _SCALARS: dict[str, pa.DataType] = {
     "binary": pa.binary(),
@@ -266,7 +267,22 @@ def build_array(values: list[Any], name: str) -> pa.Array:
     return pa.array(values, type=dtype)
 
 
-def column_reader(array: pa.Array) -> Callable[[np.ndarray], list[Any]]:
+class MappedFile:
+    """Where a memory-mapped file lies, for reading its bytes with `pread` instead of through
+    the mapping: `fd` is open on the file, which is mapped at `address` for `size` bytes."""
+
+    __slots__ = ("fd", "address", "size", "where")
+
+    def __init__(self, fd: int, address: int, size: int, where: str) -> None:
+        self.fd, self.address, self.size, self.where = fd, address, size, where
+
+    def offset_of(self, buffer: pa.Buffer) -> int | None:
+        """The file offset of `buffer` if it lies in the mapping, else None."""
+        start = buffer.address - self.address
+        return start if 0 <= start and start + buffer.size <= self.size else None
+
+
+def column_reader(array: pa.Array, mapped: MappedFile | None = None) -> Callable[[np.ndarray], list[Any]]:
     """A function from row positions (int64 array, any order, repeats allowed) to those rows'
     Python values, touching only those rows.
 
@@ -285,10 +301,10 @@ def column_reader(array: pa.Array) -> Callable[[np.ndarray], list[Any]]:
         large = pa.types.is_large_binary(dtype) or pa.types.is_large_string(dtype)
         if large or pa.types.is_binary(dtype) or pa.types.is_string(dtype):
             return _varlen_reader(array, large, text=pa.types.is_string(dtype)
-                                  or pa.types.is_large_string(dtype))
+                                  or pa.types.is_large_string(dtype), mapped=mapped)
         if dtype in _NUMPY_DTYPES:
             values = numeric_view(array)
-            return lambda rows: values[rows].tolist()
+            return _light(lambda rows: values[rows].tolist())
         if pa.types.is_fixed_size_list(dtype) and dtype.value_type in _NUMPY_DTYPES \
                 and array.values.null_count == 0:
             matrix = numeric_view(array.flatten()).reshape(len(array), dtype.list_size)
@@ -318,10 +334,17 @@ def _tensor_view(array: pa.ExtensionArray) -> np.ndarray:
     return numeric_view(storage.flatten()).reshape(len(array), *dtype.shape)
 
 
-def _varlen_reader(array: pa.Array, large: bool, text: bool) -> Callable[[np.ndarray], list[Any]]:
+def _varlen_reader(array: pa.Array, large: bool, text: bool,
+                   mapped: MappedFile | None = None) -> Callable[[np.ndarray], list[Any]]:
+    """Rows of a binary or string column. For a column of a memory-mapped file (`mapped`) the
+    values are read with `pread`, not through the mapping: the same one copy from the page
+    cache, without faulting the pages into this process (and, with the reader's `madvise`
+    that keeps its resident set small, faulting them again every epoch). Measured on 15 KB
+    JPEG rows, 64-row reads: 21 -> 10 us per row."""
     _, offsets_buf, data_buf = array.buffers()
     offsets = np.frombuffer(offsets_buf, dtype=np.int64 if large else np.int32)
     offsets = offsets[array.offset:array.offset + len(array) + 1]
+    file_offset = mapped.offset_of(data_buf) if mapped is not None and data_buf is not None else None
     data = memoryview(data_buf) if data_buf is not None else memoryview(b"")
 
     def read(rows: np.ndarray) -> list[Any]:
@@ -330,7 +353,26 @@ def _varlen_reader(array: pa.Array, large: bool, text: bool) -> Callable[[np.nda
             return [str(data[a:b], "utf-8") for a, b in zip(starts, ends)]
         return [data[a:b].tobytes() for a, b in zip(starts, ends)]
 
-    return read
+    def pread(rows: np.ndarray) -> list[Any]:
+        starts, ends = offsets[rows].tolist(), offsets[rows + 1].tolist()
+        fd, base = mapped.fd, file_offset
+        values = [os.pread(fd, b - a, base + a) for a, b in zip(starts, ends)]
+        for value, a, b in zip(values, starts, ends):
+            if len(value) != b - a:
+                raise ShardChangedError(
+                    f"{mapped.where}: the file is shorter than when it was opened (bytes "
+                    f"{base + a}-{base + b} read {len(value)}): it changed under the reader")
+        return [str(v, "utf-8") for v in values] if text else values
+
+    return read if file_offset is None else _light(pread)
+
+
+def _light(reader: Callable[[np.ndarray], list[Any]]) -> Callable[[np.ndarray], list[Any]]:
+    """Mark a column reader that touches at most 8 bytes of the mapping per row (a number, or a
+    pread value's offsets): a file whose readers are all light need not give its touched pages
+    back after each read (see `BatchRows.maps_rows`)."""
+    reader.light = True  # type: ignore[attr-defined]
+    return reader
 
 
 class BatchRows:
@@ -342,13 +384,17 @@ class BatchRows:
     and the field. Columns without nulls (all that the writer produces) cost nothing for this.
     """
 
-    def __init__(self, batch: pa.RecordBatch, *, where: str = "record batch", first_row: int = 0) -> None:
+    def __init__(self, batch: pa.RecordBatch, *, where: str = "record batch", first_row: int = 0,
+                 mapped: MappedFile | None = None) -> None:
         self.batch = batch
         self.names = batch.schema.names
         self.num_rows = batch.num_rows
         self.where = where
         self.first_row = first_row
-        self._readers = [column_reader(column) for column in batch.columns]
+        self._readers = [column_reader(column, mapped) for column in batch.columns]
+        #: Whether reading rows touches their data through the mapping (tensors, binary values
+        #: not read with pread, ...), so that the reader should let go of the pages after.
+        self.maps_rows = not all(getattr(read, "light", False) for read in self._readers)
         self._validity = [
             (name, column.is_valid().to_numpy(zero_copy_only=False))
             for name, column in zip(self.names, batch.columns) if column.null_count
