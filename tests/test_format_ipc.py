@@ -87,6 +87,7 @@ def test_every_supported_type_reads_as_pyarrow_reads_it(tmp_path, monkeypatch):
     with ArrowShardReader(path, info, index.schema) as reader:
         assert isinstance(reader._map, mmap.mmap)  # the `ipc` reader, not pyarrow's
         ours = reader.read_rows(rows)
+    assert reader._map.closed  # no view of the map outlived the reader
     _assert_same_records(ours, theirs)
     assert [r["name"] for r in ours] == [samples[r]["name"] for r in rows.tolist()]
 
