@@ -18,6 +18,14 @@ samples every process of that run's tree (the run's main process and each worker
   slots; torch's shared tensors), plus VmHWM (the kernel's own RSS high-water mark, which sees
   peaks between samples), threads, and which heavy libraries the process has mapped.
 
+Shared memory that no process maps is in neither sum: torch DataLoader's workers hand each
+batch over as a shared-memory file whose descriptor travels through a pipe, so its queued
+batches (prefetch_factor x workers, 4 x 2.3 MiB here) are mapped by no process until the
+training process unpickles them; shardloader's batch slots are mapped by the processes that use
+them and count in their PSS. The table therefore also gives the growth of the machine's Shmem
+(/proc/meminfo) over the run: it sees both kinds, but also any other process's shared memory,
+so read it on a quiet machine (medians over alternating rounds).
+
 Sampling starts once the run's first batch is out (reading smaps_rollup slows the target's
 start: see `_measure`); VmHWM still covers the start, and the peaks come later anyway.
 
@@ -161,6 +169,19 @@ class RunResult:
     peak_pss_mib: float
     processes: list[ProcessPeak]
     samples: int
+    shmem_growth_mib: float = 0.0
+
+
+def _machine_shmem() -> int:
+    """The machine's Shmem (kB, /proc/meminfo): shared memory whether or not a process maps it."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("Shmem:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _measure(which: str, n: int, batches: int, workers: int, interval: float,
@@ -175,6 +196,7 @@ def _measure(which: str, n: int, batches: int, workers: int, interval: float,
     if which == "baseline":
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(baseline_src or ""), root])
+    shmem_before = _machine_shmem()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**env, "PYTHONUNBUFFERED": "1"})
     # The child's stderr is read on a thread: its phase marks tell when the first batch is out.
@@ -195,7 +217,7 @@ def _measure(which: str, n: int, batches: int, workers: int, interval: float,
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
     roles: dict[int, ProcessPeak] = {}
-    peak_rss = peak_pss = 0
+    peak_rss = peak_pss = peak_shmem = 0
     samples = 0
     first_out.wait()
     while proc.poll() is None:
@@ -218,6 +240,7 @@ def _measure(which: str, n: int, batches: int, workers: int, interval: float,
         if seen:
             samples += 1
             peak_rss, peak_pss = max(peak_rss, total_rss), max(peak_pss, total_pss)
+            peak_shmem = max(peak_shmem, _machine_shmem())
         time.sleep(interval)
     assert proc.stdout is not None
     out = proc.stdout.read()
@@ -228,7 +251,8 @@ def _measure(which: str, n: int, batches: int, workers: int, interval: float,
         raise RuntimeError(f"{which} run failed (exit {proc.returncode}):\n{err[-3000:]}")
     figures = json.loads(out.strip().splitlines()[-1])
     return RunResult(which, figures["first_batch_s"], figures["batches"], figures["rest_s"],
-                     peak_rss / _MIB, peak_pss / _MIB, list(roles.values()), samples)
+                     peak_rss / _MIB, peak_pss / _MIB, list(roles.values()), samples,
+                     max(0, peak_shmem - shmem_before) / _MIB)
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -268,7 +292,8 @@ def run(n: int = 20_000, *, batches: int = 0, rounds: int = 3, workers: int = 2,
             result = _measure(which, n, batches, workers, interval, baseline_src)
             runs[which].append(result)
             log(f"  round {r + 1} {which}: first batch {result.first_batch_s:.3f} s, peak RSS "
-                f"{result.peak_rss_mib:,.0f} MiB (PSS {result.peak_pss_mib:,.0f}), "
+                f"{result.peak_rss_mib:,.0f} MiB (PSS {result.peak_pss_mib:,.0f}), machine Shmem "
+                f"+{result.shmem_growth_mib:,.1f} MiB, "
                 f"{result.batches} batches, {result.samples} samples of the tree")
     rows, figures = [], {}
     for which in names:
@@ -276,12 +301,15 @@ def run(n: int = 20_000, *, batches: int = 0, rounds: int = 3, workers: int = 2,
         f = {"first_batch_s": _median([x.first_batch_s for x in rs]),
              "peak_rss_mib": _median([x.peak_rss_mib for x in rs]),
              "peak_pss_mib": _median([x.peak_pss_mib for x in rs]),
+             "shmem_growth_mib": _median([x.shmem_growth_mib for x in rs]),
              "first_batch_all": [round(x.first_batch_s, 4) for x in rs]}
         figures[which] = f
-        rows.append([LABELS[which], f["peak_rss_mib"], f["peak_pss_mib"], f["first_batch_s"],
+        rows.append([LABELS[which], f["peak_rss_mib"], f["peak_pss_mib"], f["shmem_growth_mib"],
+                     f["first_batch_s"],
                      " ".join(f"{x:.3f}" for x in f["first_batch_all"])])
     log("")
-    log(table(["loader", "peak RSS MiB (tree)", "peak PSS MiB (tree)", "first batch s (median)",
+    log(table(["loader", "peak RSS MiB (tree)", "peak PSS MiB (tree)",
+               "machine Shmem growth MiB", "first batch s (median)",
                "first batch s (runs)"], rows))
     for mine in ("shardloader", "baseline"):
         if mine in figures and "dataloader" in figures:

@@ -11,7 +11,7 @@ import pytest
 
 from shardloader import Dataset, write_shards
 from shardloader.errors import SchemaError, ShardChangedError, ShardError
-from shardloader.format import writer
+from shardloader.format import ipc, writer
 from shardloader.format.arrow import ArrowShardReader
 from tests.fixtures.data import copy_dataset, make_samples
 
@@ -66,7 +66,15 @@ def test_read_rows_across_record_batches_keeps_order(tmp_path, monkeypatch):
     reader.close()
 
 
-def test_binary_rows_are_read_at_their_place_in_the_file(tmp_path):
+@pytest.fixture(params=["ipc", "pyarrow"])
+def which_reader(request, monkeypatch):
+    """Each test runs with both readers behind ArrowShardReader (see format/arrow.py)."""
+    if request.param == "pyarrow":
+        monkeypatch.setattr(ipc, "parse_file", lambda data: None)
+    return request.param
+
+
+def test_binary_rows_are_read_at_their_place_in_the_file(tmp_path, which_reader):
     """Binary and string values are read with pread, not through the mapping: byte for byte
     the same, and a shard of only such columns and numbers gives no pages back after a read
     (there are none to give); one with a tensor column does."""
@@ -76,6 +84,7 @@ def test_binary_rows_are_read_at_their_place_in_the_file(tmp_path):
     with ArrowShardReader(str(tmp_path / "plain" / info.path), info, index.schema) as reader:
         rows = [49, 0, 7, 7, 30]
         assert reader.read_rows(rows) == [plain[r] for r in rows]
+        assert bool(reader._raw) == (which_reader == "pyarrow")
         assert not reader._drop_pages
     with_tensor = make_samples(20, seed=1, array=True)
     index = write_shards(with_tensor, tmp_path / "tensor")
@@ -84,7 +93,7 @@ def test_binary_rows_are_read_at_their_place_in_the_file(tmp_path):
         assert reader._drop_pages
 
 
-def test_a_shard_shortened_between_the_check_and_the_read_is_named(tmp_path, monkeypatch):
+def test_a_shard_shortened_between_the_check_and_the_read_is_named(tmp_path, monkeypatch, which_reader):
     samples = [{"data": os.urandom(4000), "label": i} for i in range(40)]
     index = write_shards(samples, tmp_path / "ds")
     info = index.shards[0]

@@ -1,10 +1,17 @@
 """Native shards: Arrow IPC *file* format, memory-mapped, read row by row.
 
-The file is mapped with `pa.memory_map` and its record batches are opened zero-copy, so opening
-a shard reads only its footer and batch metadata. Reading rows slices just those rows out of
-the mapped column buffers (`BatchRows`) and converts only them to Python values; binary and
-string values are read with `pread` at their place in the file (see `schema._varlen_reader`). Files are
-written uncompressed (see `shardloader.format.writer`) so that nothing has to be decoded.
+The file is memory-mapped and its record batches are opened zero-copy, so opening a shard
+reads only its footer and batch metadata. Reading rows slices just those rows out of the mapped
+column buffers and converts only them to Python values; binary and string values are read
+with `pread` at their place in the file (see `ipc.BatchReader`). Files are written
+uncompressed (see `shardloader.format.writer`) so that nothing has to be decoded.
+
+Two readers lie behind `ArrowShardReader`: `shardloader.format.ipc` for the column types the
+writer produces (binary, string, numbers, fixed-shape tensors; no nulls), which needs no
+pyarrow, so a loader's processes do not load it (26.5 MiB of the process tree's PSS, measured
+with `benchmarks.memory`); and pyarrow's IPC reader for any other file, which also words the
+error for a damaged one. Both give the same values and types (tests compare them).
+
 Before and after each read the reader checks that the mapped file still has the identity it was
 opened with (`shardloader.format.identity`), so a shard truncated under it is a ShardError
 naming it rather than SIGBUS on a page past the new end of the file.
@@ -12,24 +19,19 @@ naming it rather than SIGBUS on a page past the new end of the file.
 
 from __future__ import annotations
 
+import mmap
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 
 from shardloader.errors import ShardError, ShardloaderError
-from shardloader.format.identity import FileIdentity
+from shardloader.format import ipc
+from shardloader.format.identity import FileGuard, FileIdentity
 from shardloader.format.index import ShardInfo
 from shardloader.format.reader import MappedPages, memory_map_shard
-from shardloader.format.schema import (
-    BatchRows,
-    MappedFile,
-    check_shard,
-    gather_rows,
-    null_counts,
-    schema_names,
-)
+from shardloader.format.rows import check_shard, gather_rows
 
 
 class ArrowShardReader:
@@ -44,33 +46,54 @@ class ArrowShardReader:
                  expect: FileIdentity | None = None) -> None:
         self.path = path
         self.info = info
+        self._raw: list[Any] = []
+        native = _open_native(path, info, expect)
+        if native is not None:
+            self._map, self._guard, parsed = native
+            self._pages: Any = _MmapPages(self._map)
+            self._batches: list[Any] = [ipc.BatchReader(b, self._guard.fd, path)
+                                        for b in parsed.batches]
+            names = parsed.schema
+        else:
+            names = self._open_pyarrow(path, info, expect)
+        counts = np.fromiter((b.num_rows for b in self._batches), dtype=np.int64,
+                             count=len(self._batches))
+        self._offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(counts)])
+        # Binary and string values are read with pread, numbers touch a few bytes a row: only
+        # a shard with other columns (tensors...) maps enough pages to be worth the madvise
+        # after each read (which makes the next read fault its pages in again).
+        self._drop_pages = any(b.maps_rows for b in self._batches)
+        try:
+            check_shard(path, len(self), info.samples, names, schema)
+        except ShardloaderError:
+            self.close()
+            raise
+
+    def _open_pyarrow(self, path: str, info: ShardInfo, expect: FileIdentity | None) -> dict[str, str]:
+        """Open the file with pyarrow (any file `ipc` does not read); returns its schema."""
+        import pyarrow as pa
+
+        from shardloader.format.schema import BatchRows, MappedFile, schema_names
+
         self._map, self._guard = memory_map_shard(path, info, expect)
         self._pages = MappedPages(self._map)
+        mapped = (MappedFile(self._map.fileno(), self._pages.address, self._pages.size, path)
+                  if self._pages.address else None)
         try:
             reader = pa.ipc.open_file(self._map)
             batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
             for batch in batches:
                 batch.validate()
-            counts = np.fromiter((b.num_rows for b in batches), dtype=np.int64, count=len(batches))
-            self._offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(counts)])
-            mapped = (MappedFile(self._map.fileno(), self._pages.address, self._pages.size, path)
-                      if self._pages.address else None)
+            firsts = np.cumsum([0] + [b.num_rows for b in batches])
             self._batches = [BatchRows(b, where=path, first_row=int(first), mapped=mapped)
-                             for b, first in zip(batches, self._offsets)]
+                             for b, first in zip(batches, firsts)]
         except (pa.ArrowException, OSError, ValueError) as e:
             self._map.close()
             raise ShardError(
                 f"{path}: not a readable Arrow IPC file (truncated or corrupt?): {e}"
             ) from None
         self._raw = batches
-        # Rows read with pread (binary, strings) and numbers leave few pages mapped: the
-        # madvise after each read would cost more (the offsets refault) than it saves.
-        self._drop_pages = any(b.maps_rows for b in self._batches)
-        try:
-            check_shard(path, len(self), info.samples, schema_names(reader.schema), schema)
-        except ShardloaderError:
-            self.close()
-            raise
+        return schema_names(reader.schema)
 
     def __len__(self) -> int:
         return int(self._offsets[-1])
@@ -94,15 +117,79 @@ class ArrowShardReader:
     def null_counts(self) -> dict[str, int]:
         """Field -> number of null values in the shard, for the fields that hold any."""
         self._guard.check()
+        if not self._raw:  # the `ipc` reader reads only files without nulls
+            return {}
+        from shardloader.format.schema import null_counts
+
         return null_counts(self._raw)
 
     def close(self) -> None:
+        for batch in self._batches:
+            if isinstance(batch, ipc.BatchReader):
+                batch.close()
         self._batches = []
         self._raw = []
-        self._map.close()
+        self._pages = None
+        if isinstance(self._map, mmap.mmap):
+            _close_mmap(self._map)
+            if self._guard.fd >= 0:
+                os.close(self._guard.fd)
+                self._guard.fd = -1
+        else:
+            self._map.close()
 
     def __enter__(self) -> ArrowShardReader:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _open_native(path: str, info: ShardInfo,
+                 expect: FileIdentity | None) -> tuple[mmap.mmap, FileGuard, ipc.IpcFile] | None:
+    """(map, guard, parsed file) when `ipc` reads the file; None when pyarrow must (the file is
+    outside `ipc`'s types, or damaged: pyarrow then words the error). A missing file or one
+    that is not the file `expect` describes raises here, as `memory_map_shard` would."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ShardError(f"{path}: shard file is missing (listed as {info.path!r})") from None
+    except OSError:
+        return None
+    try:
+        guard = FileGuard(path, fd, expect)
+        try:
+            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):  # e.g. an empty file
+            os.close(fd)
+            return None
+        parsed = ipc.parse_file(mapped)
+    except BaseException:
+        os.close(fd)
+        raise
+    if parsed is None:
+        _close_mmap(mapped)
+        os.close(fd)
+        return None
+    return mapped, guard, parsed
+
+
+def _close_mmap(mapped: mmap.mmap) -> None:
+    """Close a map, or leave it to be unmapped with the last view of it (numpy views of its
+    buffers; the records read are copies, so only a caller's own reference can hold one)."""
+    try:
+        mapped.close()
+    except BufferError:
+        pass
+
+
+class _MmapPages:
+    """`MappedPages` for a Python `mmap`: after a read, the touched pages of the read-only
+    shard mapping leave this process's resident set (they stay in the page cache)."""
+
+    def __init__(self, mapped: mmap.mmap) -> None:
+        self._mapped = mapped
+
+    def drop(self) -> None:
+        if not self._mapped.closed and hasattr(self._mapped, "madvise"):
+            self._mapped.madvise(mmap.MADV_DONTNEED)

@@ -45,7 +45,7 @@ from shardloader.format.checksum import checksum_bytes, parse_checksum
 from shardloader.format.identity import FileGuard, FileIdentity
 from shardloader.format.index import ShardInfo
 from shardloader.format.paths import safe_relative_path
-from shardloader.format.schema import check_schema
+from shardloader.format.rows import check_schema
 
 KEY_FIELD = "__key__"
 SIDECAR_SUFFIX = ".idx"

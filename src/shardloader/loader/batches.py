@@ -153,10 +153,11 @@ class BatchProducer:
         """Import here what producing a batch imports lazily, before worker processes fork.
 
         Forked workers inherit this process's modules (their pages shared copy-on-write)
-        instead of each importing the shard reader stack (pyarrow) and the image libraries
-        before its first batch. For a local dataset one sample is read (pyarrow's first read
-        initialises its memory pool); a remote one would download a shard, so there only the
-        modules are imported. Failures are left for the workers to report with their full
+        instead of each importing the shard reader stack (for Parquet and remote reads,
+        pyarrow; local Arrow shards need none, see `shardloader.format.ipc`) and the image
+        libraries before its first batch. For a local dataset one sample is read (a reader's
+        first read loads what it loads lazily); a remote one would download a shard, so there
+        only the modules are imported. Failures are left for the workers to report with their full
         context.
 
         The garbage collector is paused meanwhile (`shardloader.loader.startup`): loading

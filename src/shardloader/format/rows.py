@@ -1,0 +1,66 @@
+"""Checks and row gathering shared by every shard reader, without pyarrow.
+
+The Arrow reader that runs in a loader's processes (`shardloader.format.ipc`) and the tar
+reader need these but not pyarrow, which `shardloader.format.schema` imports: kept here so
+that importing them loads no pyarrow (see `shardloader.format.ipc` for what that saves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from shardloader.arrays import sorted_unique
+from shardloader.errors import SchemaError, ShardError
+
+
+def check_schema(actual: Mapping[str, str], expected: Mapping[str, str], *, where: str) -> None:
+    """Raise SchemaError, prefixed by `where`, naming each differing field unless equal."""
+    if dict(actual) == dict(expected):
+        return
+    problems = []
+    for name in expected:
+        if name not in actual:
+            problems.append(f"field {name!r} ({expected[name]}) is missing")
+        elif actual[name] != expected[name]:
+            problems.append(f"field {name!r} is {actual[name]}, expected {expected[name]}")
+    problems += [f"unexpected field {n!r} ({actual[n]})" for n in actual if n not in expected]
+    raise SchemaError(f"{where}: {'; '.join(problems)}")
+
+
+def check_shard(path: str, rows: int, expected_rows: int, names: Mapping[str, str],
+                schema: Mapping[str, str] | None) -> None:
+    """Raise ShardError / SchemaError naming `path` unless a shard's row count and schema
+    (`names`) match its index entry and the index schema (when given)."""
+    if rows != expected_rows:
+        raise ShardError(f"{path}: shard holds {rows} rows but the index records {expected_rows}")
+    if schema is not None:
+        check_schema(names, schema, where=f"{path}: schema differs from the index")
+
+
+def gather_rows(
+    offsets: np.ndarray,
+    rows: Sequence[int] | np.ndarray,
+    read_group: Callable[[int, np.ndarray], list[dict[str, Any]]],
+    *,
+    where: str,
+) -> list[dict[str, Any]]:
+    """Records of `rows` (any order, repeats allowed) of a file split into groups (record
+    batches, row groups): group g holds rows offsets[g]..offsets[g+1]-1. Calls
+    `read_group(g, rows within g)` once per group touched and returns records in `rows` order.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    total = int(offsets[-1])
+    if rows.size and (rows.min() < 0 or rows.max() >= total):
+        raise IndexError(f"{where}: rows out of range for a shard of {total} rows")
+    if len(offsets) == 2:
+        return read_group(0, rows)
+    groups = np.searchsorted(offsets, rows, side="right") - 1
+    out: list[Any] = [None] * len(rows)
+    for group in sorted_unique(groups).tolist():
+        positions = np.flatnonzero(groups == group)
+        for pos, record in zip(positions.tolist(), read_group(group, rows[positions] - offsets[group])):
+            out[pos] = record
+    return out
