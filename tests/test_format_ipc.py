@@ -137,10 +137,25 @@ def test_damaged_files_parse_to_none_or_to_buffers_inside_the_file(tmp_path):
     # the schema and first batch messages (the first KB), and the footer
     metadata = [*range(8, 1024), *range(len(data) - 10 - footer_length, len(data))]
     for i in metadata:
-        damaged = bytearray(data)
-        damaged[i] = 0xFF
-        parsed = ipc.parse_file(bytes(damaged))
-        assert parsed is None or isinstance(parsed, ipc.IpcFile)
+        for value in (0xFF, 0x80):  # 0x80: the sign bit of a little-endian number's last byte
+            damaged = bytearray(data)
+            damaged[i] = value
+            parsed = ipc.parse_file(bytes(damaged))
+            assert parsed is None or isinstance(parsed, ipc.IpcFile)
+            if parsed is not None:
+                assert all(batch.num_rows >= 0 for batch in parsed.batches)
+
+
+def test_tensor_metadata_nested_past_the_recursion_limit_is_left_to_pyarrow(tmp_path):
+    field = pa.field("t", pa.list_(pa.float32(), 2), metadata={
+        "ARROW:extension:name": "arrow.fixed_shape_tensor",
+        "ARROW:extension:metadata": "[" * 100_000})
+    table = pa.table([pa.array([[1.0, 2.0]], type=pa.list_(pa.float32(), 2))],
+                     schema=pa.schema([field]))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    assert ipc.parse_file(sink.getvalue().to_pybytes()) is None
 
 
 def test_a_loader_over_local_arrow_data_loads_no_pyarrow(tmp_path):

@@ -165,7 +165,8 @@ def parse_file(data: Any) -> IpcFile | None:
         return None
     try:
         return _parse(_Buffer(data))
-    except (Unsupported, struct.error, ValueError, KeyError, TypeError, UnicodeDecodeError):
+    except (Unsupported, struct.error, ValueError, KeyError, TypeError, IndexError,
+            OverflowError, RecursionError, UnicodeDecodeError):  # (deeply nested JSON metadata)
         return None
 
 
@@ -252,6 +253,8 @@ def _record_batch(buf: _Buffer, columns: list[Column], offset: int, meta_length:
     if not header or buf.ref(header, 3):  # compressed bodies are not read here
         raise Unsupported("compressed or empty record batch")
     num_rows = buf.i64(buf.field(header, 0)) if buf.field(header, 0) else 0
+    if num_rows < 0:
+        raise Unsupported("negative row count")
     nodes_at, node_count = buf.vector(header, 1)
     buffers_at, buffer_count = buf.vector(header, 2)
     if node_count != sum(c.nodes for c in columns) or buffer_count != sum(c.buffers for c in columns):
