@@ -4,17 +4,20 @@ slots that carry their batches are reused, also across abandoned iterations."""
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
 from shardloader import Dataset, Loader
 from shardloader.format.writer import write_shards
-from shardloader.loader import slots
+from shardloader.loader import slots, workers
+from shardloader.loader.batches import BatchTask
 from tests.resume import assert_identical
 from tests.sample_transforms import make_samples, noisy_crop
 
@@ -92,6 +95,23 @@ def test_a_loop_that_drops_its_batches_reuses_a_few_slots(dataset_dir):
         assert len(loader._pool._slots._slots) <= 2 * (2 + 4)
     finally:
         loader.close()
+
+
+def test_a_task_frame_is_what_the_worker_queue_reads():
+    """Tasks are written to a worker's pipe as `Connection.send_bytes` frames them (see
+    `workers._task_frame`); the worker's `SimpleQueue.get` must read them back exactly."""
+    tasks = multiprocessing.get_context("fork").SimpleQueue()
+    try:
+        for task in (BatchTask(7, 2, 5, None, 1, 64),
+                     BatchTask(8, 0, 1, np.arange(3, dtype=np.int64), 0, 3)):
+            os.write(tasks._writer.fileno(), workers._task_frame(task))
+            got = BatchTask(*tasks.get())
+            assert (got.task_id, got.epoch, got.step, got.padded, got.size) == (
+                task.task_id, task.epoch, task.step, task.padded, task.size)
+            assert (got.samples is None and task.samples is None) or \
+                np.array_equal(got.samples, task.samples)
+    finally:
+        tasks.close()
 
 
 def _pipe_ends(pid: int) -> set[tuple[int, str]]:
