@@ -51,6 +51,7 @@ from shardloader.order.shuffle import (
     EpochOrder,
     ShuffleSettings,
 )
+from shardloader.source import LocalSource
 from shardloader.transforms.base import transform_version as describe_transform
 
 
@@ -407,6 +408,9 @@ def _close_live_loaders() -> None:
 atexit.register(_close_live_loaders)
 
 
+_BatchRecord: Any = None  # telemetry.records.BatchRecord, imported on the first batch recorded
+
+
 def _make_stats() -> Any:
     try:
         from shardloader.telemetry import StatsAggregator
@@ -453,6 +457,8 @@ class _EpochIterator:
             self._submit_next()
         counters = getattr(loader._data.source, "counters", None)
         self._counters_at_start = counters() if counters is not None else {}
+        # A local source counts nothing (its counters are zeros): no delta to take per batch.
+        self._counts_locally = counters is not None and not isinstance(loader._data.source, LocalSource)
         self.prefetch_handle = None if self._defer_prefetch else self._start_prefetch()
         self.finished = False
 
@@ -544,24 +550,21 @@ class _EpochIterator:
         loader = self.loader
         if loader._stats is None and loader.telemetry is None:
             return
-        from shardloader.telemetry.records import BatchRecord
-
-        local = self._local_counter_delta()
-        record = BatchRecord(
-            step=self.epoch * self.steps + task.step + 1,
-            epoch=self.epoch,
-            rank=loader.rank,
-            samples=task.size,
-            fetch_seconds=fetch_seconds,
-            time=time.time(),
-            read_seconds=timings.read_seconds,
-            transform_seconds=timings.transform_seconds,
-            download_wait_seconds=timings.download_wait_seconds,
-            queue_depth=queue_depth,
-            cache_hits=timings.cache_hits + int(local.get("cache_hits", 0)),
-            cache_misses=timings.cache_misses + int(local.get("cache_misses", 0)),
-            bytes_downloaded=timings.bytes_downloaded + int(local.get("bytes_downloaded", 0)),
-            padded=task.padded,
+        global _BatchRecord
+        if _BatchRecord is None:
+            from shardloader.telemetry.records import BatchRecord as _BatchRecord
+        hits, misses, downloaded = timings.cache_hits, timings.cache_misses, timings.bytes_downloaded
+        if self._counts_locally:
+            local = self._local_counter_delta()
+            hits += int(local.get("cache_hits", 0))
+            misses += int(local.get("cache_misses", 0))
+            downloaded += int(local.get("bytes_downloaded", 0))
+        record = _BatchRecord(
+            step=self.epoch * self.steps + task.step + 1, epoch=self.epoch, rank=loader.rank,
+            samples=task.size, fetch_seconds=fetch_seconds, time=time.time(),
+            read_seconds=timings.read_seconds, transform_seconds=timings.transform_seconds,
+            download_wait_seconds=timings.download_wait_seconds, queue_depth=queue_depth,
+            cache_hits=hits, cache_misses=misses, bytes_downloaded=downloaded, padded=task.padded,
         )
         if loader._stats is not None:
             loader._stats.on_batch(record)
