@@ -42,7 +42,7 @@ import random
 import secrets
 import threading
 import warnings
-from collections import OrderedDict
+from collections import ChainMap, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -160,7 +160,7 @@ class RangeReads:
                 for i in keep.intersection(spans):
                     if len(spans[i]) <= _MAX_KEPT:  # a Parquet row group is fetched per read
                         state.kept[i] = spans[i]
-                have = {**state.table.inline, **state.kept, **spans}
+                have = ChainMap(spans, dict(state.kept), state.table.inline)  # what the rows need
                 self.counters.reads += 1
             out[pos] = rows_from_spans(state.table, have, rows, where=self._url(info.path),
                                        tar_offsets=state.tar)
