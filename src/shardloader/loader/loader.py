@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing.util  # noqa: F401 - registers its exit handler before ours (see below)
 import numbers
+import threading
 import time
 import warnings
 import weakref
@@ -387,6 +388,9 @@ class Loader:
             pass
 
 
+#: How long iter() waits for the first batch's bytes before it starts the workers anyway.
+_PRIME_SECONDS = 30.0
+
 #: Loaders not yet garbage-collected; closed at interpreter exit (weak: never kept alive).
 _LIVE_LOADERS: weakref.WeakSet[Loader] = weakref.WeakSet()
 
@@ -441,6 +445,8 @@ class _EpochIterator:
         # no thread of ours runs across the fork).
         defer = getattr(source, "defers_prefetch", None)
         self._defer_prefetch = bool(defer(loader._data.index)) if defer is not None else False
+        if self._defer_prefetch:
+            self._prime_first_batch()
         self.pool = loader._get_pool()
         warm = getattr(source, "warm_ranges", None)
         if self._defer_prefetch and warm is not None:
@@ -455,6 +461,23 @@ class _EpochIterator:
         self._counters_at_start = counters() if counters is not None else {}
         self.prefetch_handle = None if self._defer_prefetch else self._start_prefetch()
         self.finished = False
+
+    def _prime_first_batch(self) -> None:
+        """Cold start from remote shards: fetch the bytes the first batch reads by range now,
+        before the workers fork, so that its worker inherits them and needs no request, and the
+        other workers' requests for the next batches do not compete with the first's (measured
+        with 2 workers on loopback S3: see docs/cache.md). The imports the workers would inherit
+        are done meanwhile. Bounded: a fetch still running after `_PRIME_SECONDS` is left to
+        finish in the background (its worker then fetches the rows itself)."""
+        prime = getattr(self.loader._data, "prime", None)
+        if prime is None or self.next_step >= self.steps:
+            return
+        samples = self.loader.step_samples(self.epoch, self.next_step)
+        thread = threading.Thread(target=prime, args=(samples,), name="shardloader-prime", daemon=True)
+        thread.start()
+        if self.loader.num_workers > 0:
+            self.loader._producer.warm_up()
+        thread.join(_PRIME_SECONDS)
 
     def _submit_next(self) -> None:
         loader = self.loader
