@@ -56,7 +56,8 @@ _CONFIG_KEYS = frozenset({"connect_timeout", "read_timeout", "retries", "max_poo
 _AWS_CONFIG_ENV = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_CONFIG_FILE", "AWS_ENDPOINT_URL",
                    "AWS_ENDPOINT_URL_S3", "AWS_S3_ADDRESSING_STYLE",
                    "AWS_USE_FIPS_ENDPOINT", "AWS_USE_DUALSTACK_ENDPOINT")
-_UNSIGNED = "UNSIGNED-PAYLOAD"
+#: The SHA-256 of an empty body: a GET's payload hash, as botocore signs it.
+_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
 
 class S3HTTPError(OSError):
@@ -144,12 +145,12 @@ def signed_headers(method: str, host: str, path: str, region: str, key: str, sec
     stamp = now.strftime("%Y%m%dT%H%M%SZ")
     day = stamp[:8]
     out = {k.lower(): v for k, v in headers.items()}
-    out.update({"host": host, "x-amz-date": stamp, "x-amz-content-sha256": _UNSIGNED})
+    out.update({"host": host, "x-amz-date": stamp, "x-amz-content-sha256": _EMPTY_SHA256})
     if token:
         out["x-amz-security-token"] = token
     names = sorted(out)
     canonical = "\n".join([method, path, "", "".join(f"{n}:{out[n].strip()}\n" for n in names),
-                           ";".join(names), _UNSIGNED])
+                           ";".join(names), _EMPTY_SHA256])
     scope = f"{day}/{region}/s3/aws4_request"
     to_sign = "\n".join(["AWS4-HMAC-SHA256", stamp, scope,
                          hashlib.sha256(canonical.encode()).hexdigest()])
