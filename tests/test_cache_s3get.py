@@ -140,3 +140,20 @@ def test_a_forked_child_reads_with_a_client_of_its_own(obj, s3_server):
     assert pid == process.pid and client != id(fs)
     assert data == [PAYLOAD[:50], PAYLOAD[100:300]]
     assert fs.cat_file(path) == PAYLOAD  # the parent's client still works
+
+
+def test_a_kept_alive_connection_the_server_closed_is_replaced_at_once(tmp_path, http_server):
+    import socket
+
+    (tmp_path / "bucket").mkdir()
+    (tmp_path / "bucket" / "blob.bin").write_bytes(PAYLOAD)
+    server = http_server(str(tmp_path))  # HTTP/1.1 keep-alive, ranges; S3 paths: /bucket/key
+    reader = S3Reader(s3_settings({"anon": True, "endpoint_url": server.url}, environ={},
+                                  config_file=str(tmp_path / "none")))
+    assert reader.cat_file("s3://bucket/blob.bin", 10, 20) == PAYLOAD[10:20]
+    (idle,) = reader._idle.values()
+    assert len(idle) == 1  # kept for the next request
+    idle[0].sock.shutdown(socket.SHUT_RDWR)  # as a server closing an idle connection does
+    assert reader.cat_file("s3://bucket/blob.bin") == PAYLOAD  # no error, no retry round
+    (idle,) = reader._idle.values()
+    assert len(idle) == 1 and idle[0].sock is not None

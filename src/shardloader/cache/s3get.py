@@ -302,31 +302,38 @@ class S3Reader:
 
     def _request(self, scheme: str, host: str, target: str,
                  headers: dict[str, str]) -> tuple[int, str, dict[str, str], bytes]:
-        conn = self._connection(scheme, host)
-        try:
-            conn.request("GET", target, headers=headers)
-            response = conn.getresponse()
-            body = response.read()
-            answer = {k.lower(): v for k, v in response.getheaders()}
-            status, reason = response.status, response.reason
-        except (http.client.HTTPException, OSError) as e:
-            conn.close()
-            if isinstance(e, TimeoutError):
-                raise
-            raise S3ConnectionError(f"{scheme}://{host}{target}: {type(e).__name__}: {e}") from e
-        if response.will_close:
-            conn.close()
-        else:
-            self._give_back(scheme, host, conn)
-        return status, reason, answer, body
+        for attempt in range(2):
+            conn, reused = self._connection(scheme, host)
+            try:
+                conn.request("GET", target, headers=headers)
+                response = conn.getresponse()
+                body = response.read()
+                answer = {k.lower(): v for k, v in response.getheaders()}
+                status, reason = response.status, response.reason
+            except (http.client.HTTPException, OSError) as e:
+                conn.close()
+                stale = reused and isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError,
+                                                  ConnectionResetError))
+                if stale and not attempt:
+                    continue  # the server closed an idle kept-alive connection: a new one, at once
+                if isinstance(e, TimeoutError):
+                    raise
+                raise S3ConnectionError(f"{scheme}://{host}{target}: {type(e).__name__}: {e}") from e
+            if response.will_close:
+                conn.close()
+            else:
+                self._give_back(scheme, host, conn)
+            return status, reason, answer, body
+        raise AssertionError("unreachable")
 
-    def _connection(self, scheme: str, host: str) -> http.client.HTTPConnection:
+    def _connection(self, scheme: str, host: str) -> tuple[http.client.HTTPConnection, bool]:
+        """A kept-alive connection to `host` (True) or a new one (False)."""
         if self._pid != os.getpid():  # never a parent's socket or thread in a forked child
             raise RuntimeError("S3Reader used in a forked child; make one per process")
         with self._lock:
             idle = self._idle.get(f"{scheme}://{host}")
             if idle:
-                return idle.pop()
+                return idle.pop(), True
         s = self.settings
         if scheme == "https":
             if self._ssl is None:
@@ -338,7 +345,7 @@ class S3Reader:
         conn.connect()
         assert conn.sock is not None
         conn.sock.settimeout(s.read_timeout)
-        return conn
+        return conn, False
 
     def _give_back(self, scheme: str, host: str, conn: http.client.HTTPConnection) -> None:
         with self._lock:
