@@ -440,9 +440,10 @@ class _EpochIterator:
             expect()
         # A source that reads the first batches' rows by byte range starts whole-shard prefetch
         # once the first batch is out, so that its downloads do not compete with those reads
-        # (bandwidth, connections, CPU) for the batch a cold start waits for; meanwhile it
-        # fetches the first shards' range sidecars for the workers (after they are forked:
-        # no thread of ours runs across the fork).
+        # (bandwidth, connections, CPU) for the batch a cold start waits for. Before the fork,
+        # the first batch's bytes are fetched here (the workers inherit them; the fetching
+        # thread has ended, the S3 client's own threads are idle and never used by a child);
+        # after it, the next shards' range sidecars, for the workers.
         defer = getattr(source, "defers_prefetch", None)
         self._defer_prefetch = bool(defer(loader._data.index)) if defer is not None else False
         if self._defer_prefetch:
@@ -478,6 +479,9 @@ class _EpochIterator:
         if self.loader.num_workers > 0:
             self.loader._producer.warm_up()
         thread.join(_PRIME_SECONDS)
+        if thread.is_alive():
+            warnings.warn(f"fetching the first batch's bytes took over {_PRIME_SECONDS:g} s; starting "
+                          "the workers anyway (they fetch what they need themselves)", stacklevel=4)
 
     def _submit_next(self) -> None:
         loader = self.loader
