@@ -297,3 +297,24 @@ def test_a_changed_object_is_refused_by_the_loaders_workers(arrow_dir, s3_server
         take(loader, 1)
     loader.close()
     assert _cached_shards(str(tmp_path / "cache")) == []  # nothing unverified entered the cache
+
+
+def test_the_first_batch_is_fetched_once_before_the_workers_start(arrow_dir, s3_server, s3_url, fault_proxy,
+                                                                 tmp_path):
+    url = s3_url(arrow_dir)
+    proxy = fault_proxy(s3_server.endpoint)
+    ds = Dataset(url, cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
+                 storage_options=s3_server.storage_options(proxy.url))
+    loader = Loader(ds, batch_size=16, seed=3, shuffle=True, num_workers=2, transform=noisy_crop,
+                    partitions=4, window=2)
+    reference = Loader(Dataset(arrow_dir), batch_size=16, seed=3, shuffle=True, transform=noisy_crop,
+                       partitions=4, window=2)
+    assert take(loader, 3) == take(reference, 3)
+    loader.close()
+    shards, _ = ds.index.locate_many(loader.step_samples(0, 0))
+    first = {ds.index.shards[s].path for s in np.unique(shards).tolist()}
+    sidecar_gets = [entry.path.rsplit("/", 1)[-1] for entry in proxy.log if entry.path.endswith(".ranges")]
+    # Each sidecar the first batch needs was fetched once, by the training process, and the
+    # workers inherited it: none of them asked for it again.
+    assert sorted(name for name in sidecar_gets if name[:-len(".ranges")] in first) == sorted(
+        f"{path}.ranges" for path in first)
