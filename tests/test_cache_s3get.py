@@ -38,6 +38,7 @@ def test_settings_from_explicit_options(tmp_path):
     ({**EXPLICIT, "client_kwargs": {"endpoint_url": "http://h", "verify": False}}, {}, "a client option"),
     ({**EXPLICIT}, {"AWS_PROFILE": "p"}, "a profile could change the endpoint"),
     ({**EXPLICIT}, {"SHARDLOADER_S3_CLIENT": "fsspec"}, "turned off"),
+    ({**EXPLICIT}, {"HTTPS_PROXY": "http://proxy:3128"}, "botocore would go through the proxy"),
     ({"key": "k"}, {}, "partial credentials"),
     ({"client_kwargs": {"region_name": "us-east-1"}}, {}, "no credentials: botocore's chain"),
     ({"key": "k", "secret": "s"}, {}, "no endpoint, no region: s3fs finds the region"),

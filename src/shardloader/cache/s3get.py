@@ -20,8 +20,8 @@ options use nothing but ``key``/``secret``/``token``/``anon``/``endpoint_url``,
 {``connect_timeout``, ``read_timeout``, ``retries``, ``max_pool_connections``}, the
 credentials are in the options or in ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``
 (botocore's first provider, so the same ones botocore would use; ``AWS_CA_BUNDLE`` is honoured
-as botocore does), no AWS profile or config file
-could change endpoint, region or addressing, and either an endpoint or a region is known.
+as botocore does), no AWS profile or config file could change endpoint, region or addressing, no
+HTTP proxy is set in the environment, and either an endpoint or a region is known.
 ``SHARDLOADER_S3_CLIENT=fsspec`` turns it off. Retries are not done here: a failed request is
 an exception (with `.status` for HTTP errors, FileNotFoundError for 404, PermissionError for
 401/403) that `shardloader.cache.fetch` classifies and retries with its own backoff, as it does
@@ -55,7 +55,9 @@ _CONFIG_KEYS = frozenset({"connect_timeout", "read_timeout", "retries", "max_poo
 #: Environment that could make botocore reach S3 differently from what is decided here.
 _AWS_CONFIG_ENV = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_CONFIG_FILE", "AWS_ENDPOINT_URL",
                    "AWS_ENDPOINT_URL_S3", "AWS_S3_ADDRESSING_STYLE",
-                   "AWS_USE_FIPS_ENDPOINT", "AWS_USE_DUALSTACK_ENDPOINT")
+                   "AWS_USE_FIPS_ENDPOINT", "AWS_USE_DUALSTACK_ENDPOINT",
+                   # botocore goes through the proxies these name; this client connects directly
+                   "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")
 #: The SHA-256 of an empty body: a GET's payload hash, as botocore signs it.
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
