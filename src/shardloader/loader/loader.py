@@ -470,14 +470,18 @@ class _EpochIterator:
         with 2 workers on loopback S3: see docs/cache.md). The imports the workers would inherit
         are done meanwhile. Bounded: a fetch still running after `_PRIME_SECONDS` is left to
         finish in the background (its worker then fetches the rows itself)."""
-        prime = getattr(self.loader._data, "prime", None)
+        loader = self.loader
+        prime = getattr(loader._data, "prime", None)
         if prime is None or self.next_step >= self.steps:
             return
-        samples = self.loader.step_samples(self.epoch, self.next_step)
+        forks = loader.num_workers > 0 and loader.worker_type == "process"
+        if loader._pool is not None or (forks and (loader._mp_context or "fork") != "fork"):
+            return  # workers already running (persistent), or started fresh: they would not inherit
+        samples = loader.step_samples(self.epoch, self.next_step)
         thread = threading.Thread(target=prime, args=(samples,), name="shardloader-prime", daemon=True)
         thread.start()
-        if self.loader.num_workers > 0:
-            self.loader._producer.warm_up()
+        if forks:
+            loader._producer.warm_up()
         thread.join(_PRIME_SECONDS)
         if thread.is_alive():
             warnings.warn(f"fetching the first batch's bytes took over {_PRIME_SECONDS:g} s; starting "
