@@ -4,7 +4,7 @@ in a process of its own so that serving does not compete for the measuring proce
     with S3Process({"arrow": images.arrow_dir, "mds": mds_dir}) as server:
         s3 = server.at           # an S3Endpoint: plain data, can go to another process
         s3.url("arrow")          # s3://bench/arrow
-        s3.fsspec_options()      # for shardloader (s3fs)
+        s3.fsspec_options()      # for shardloader (its S3 client, or s3fs)
         s3.boto_options()        # for litdata's storage_options (boto3 / obstore)
         s3.env()                 # AWS_* and S3_ENDPOINT_URL, for mosaicml-streaming
 

@@ -24,6 +24,10 @@ throughput >= 0.9.
 against rows read by byte range (after), alternated, from `Loader(...)` and from `Dataset(url)`;
 `cold_first_batch` is the function to call from other benchmarks.
 
+`--cold-start` measures the cold first batch exactly as `benchmarks.speed` does (its image set,
+moto on loopback without a proxy, a fresh process and an empty cache per try, 2 workers), with
+the read path's own S3 client and with s3fs (`SHARDLOADER_S3_CLIENT=fsspec`), alternated.
+
 4. Four processes on one node share one cache that holds the dataset: (a) the 4 ranks of one
 job (world size 4), (b) 4 independent jobs each reading the whole dataset. Bytes downloaded in
 total / dataset size; goal 1.0 (every shard downloaded once per node).
@@ -172,6 +176,33 @@ def first_batch_table(remote: Remote, work: str, args: argparse.Namespace) -> st
               "(goal: <= 0.4 s from Loader())")
 
 
+def cold_start_table(repeats: int, n: int) -> str:
+    """speed.py's cold first batch (fresh processes), our S3 client vs s3fs, alternated."""
+    import statistics
+
+    from benchmarks._images import prepare_images
+    from benchmarks._s3 import S3Process
+    from benchmarks.speed import OURS, run_child
+
+    images = prepare_images(n, log=print)
+    variants = {"shardloader (stdlib S3 client)": {}, "shardloader (s3fs)": {"SHARDLOADER_S3_CLIENT": "fsspec"}}
+    got: dict[str, list[float]] = {name: [] for name in variants}
+    with S3Process({"arrow": images.arrow_dir}) as server:
+        for _ in range(repeats):
+            for name, env in variants.items():
+                cache = tempfile.mkdtemp(prefix="cold-", dir=os.path.join(os.path.dirname(__file__), "out"))
+                try:
+                    out = run_child({"column": OURS, "n": n, "endpoint": server.at.endpoint,
+                                     "cache_dir": cache}, env={**server.at.env(), **env}, timeout=300)
+                finally:
+                    shutil.rmtree(cache, ignore_errors=True)
+                got[name].append(out["ttfb"])
+    rows = [[name, statistics.median(v), spread(v)] for name, v in got.items()]
+    return (f"cold first batch from S3 (moto, loopback), {n} images, {repeats} fresh processes each, "
+            f"alternated; {load_average()}\n\n" + table(["loader", "first batch (s)", "range"], rows)
+            + "\ngoal: <= 0.4 s")
+
+
 def _job(url: str, options: dict, cache: str, args: argparse.Namespace, rank: int, world: int,
          barrier: Any, out: Any) -> None:
     barrier.wait()
@@ -225,7 +256,13 @@ def main() -> None:
     parser.add_argument("--skip-shared", action="store_true")
     parser.add_argument("--first-batch", action="store_true",
                         help="only the cold first batch: whole shards vs reads by byte range")
+    parser.add_argument("--cold-start", action="store_true",
+                        help="only speed.py's cold first batch: our S3 client vs s3fs, alternated")
+    parser.add_argument("--images", type=int, default=20_000, help="image set for --cold-start")
     args = parser.parse_args()
+    if args.cold_start:
+        print(cold_start_table(args.repeats, args.images))
+        return
 
     work = tempfile.mkdtemp(prefix="shardloader-bench-cache-")
     try:

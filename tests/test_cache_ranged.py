@@ -250,3 +250,71 @@ def test_prefetch_waits_for_the_first_batch_only_when_it_reads_by_range(tmp_path
     assert source.defers_prefetch(Dataset(groups).index)
     pq.write_table(pa.table({"data": [b"x"] * 10, "label": list(range(10))}), tmp_path / "p" / "part-9.parquet")
     assert not source.defers_prefetch(index_dataset(str(tmp_path / "p")))  # one row group: whole
+
+
+def _read_in_child(ds: Dataset, samples: list[int], conn) -> None:
+    got = ds.get_many(samples)
+    conn.send((got, ds.source.counters()["range_requests"], ds.source.counters()["downloads"]))
+
+
+def test_primed_rows_are_read_by_a_forked_worker_without_a_request(arrow_dir, s3_server, s3_url, tmp_path):
+    import multiprocessing as mp
+
+    want = Dataset(arrow_dir).get_many(SAMPLES)
+    remote = _ranged(Dataset(s3_url(arrow_dir), cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
+                             storage_options=s3_server.storage_options()))
+    assert remote.prime(SAMPLES) > 0  # what a Loader does for its first batch, before forking
+    primed = remote.source.counters()["range_requests"]
+    assert primed > 0
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=_read_in_child, args=(remote, SAMPLES, child))
+    process.start()
+    try:
+        assert parent.poll(60), "the forked reader did not answer"
+        got, requests, downloads = parent.recv()
+    finally:
+        process.join(10)
+    assert got == want  # bit for bit, in the order asked
+    assert (requests, downloads) == (0, 0)  # every byte came with the fork, verified before it
+    # and the training process itself reads them without a request too
+    assert remote.get_many(SAMPLES) == want
+    assert remote.source.counters()["range_requests"] == primed
+
+
+def test_a_changed_object_is_refused_by_the_loaders_workers(arrow_dir, s3_server, s3_url, tmp_path):
+    from shardloader.errors import WorkerError
+
+    url = s3_url(arrow_dir)
+    index = Dataset(arrow_dir).index
+    for info in index.shards:  # every shard: whichever the first batch reads, it is changed
+        _tamper(s3_server, url, info.path, info.bytes // 8, info.bytes * 7 // 8)
+    ds = Dataset(url, cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
+                 storage_options=s3_server.storage_options())
+    loader = Loader(ds, batch_size=16, seed=3, shuffle=True, num_workers=2, partitions=4, window=2)
+    with pytest.raises(WorkerError, match=rf"ChecksumMismatch: {url}/shard-\d+\.arrow: bytes \d+-\d+ "
+                                          r"read by range do not match .*changed after indexing"):
+        take(loader, 1)
+    loader.close()
+    assert _cached_shards(str(tmp_path / "cache")) == []  # nothing unverified entered the cache
+
+
+def test_the_first_batch_is_fetched_once_before_the_workers_start(arrow_dir, s3_server, s3_url, fault_proxy,
+                                                                 tmp_path):
+    url = s3_url(arrow_dir)
+    proxy = fault_proxy(s3_server.endpoint)
+    ds = Dataset(url, cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
+                 storage_options=s3_server.storage_options(proxy.url))
+    loader = Loader(ds, batch_size=16, seed=3, shuffle=True, num_workers=2, transform=noisy_crop,
+                    partitions=4, window=2)
+    reference = Loader(Dataset(arrow_dir), batch_size=16, seed=3, shuffle=True, transform=noisy_crop,
+                       partitions=4, window=2)
+    assert take(loader, 3) == take(reference, 3)
+    loader.close()
+    shards, _ = ds.index.locate_many(loader.step_samples(0, 0))
+    first = {ds.index.shards[s].path for s in np.unique(shards).tolist()}
+    sidecar_gets = [entry.path.rsplit("/", 1)[-1] for entry in proxy.log if entry.path.endswith(".ranges")]
+    # Each sidecar the first batch needs was fetched once, by the training process, and the
+    # workers inherited it: none of them asked for it again.
+    assert sorted(name for name in sidecar_gets if name[:-len(".ranges")] in first) == sorted(
+        f"{path}.ranges" for path in first)

@@ -154,6 +154,18 @@ class Dataset:
                 out[pos] = record
         return out  # type: ignore[return-value]
 
+    def prime(self, samples: Sequence[int] | np.ndarray) -> int:
+        """Fetch now what reading `samples` by byte range will need (remote shards not yet in
+        the node cache; see `RemoteSource.prime_ranges`), so that this process and workers it
+        forks afterwards read them without a request. A Loader calls it for its first batch
+        before it starts its workers. Returns the spans kept (0 for a local dataset)."""
+        prime = getattr(self.source, "prime_ranges", None)
+        if prime is None:
+            return 0
+        shards, rows = self.index.locate_many(np.asarray(samples, dtype=np.int64))
+        return prime([(self.index.shards[int(shard)], rows[shards == shard])
+                      for shard in sorted_unique(shards).tolist()])
+
     def _decoded(self, record: dict[str, Any], shard: int, where: str) -> dict[str, Any]:
         """`record` with a tar shard's conventional fields decoded (see `decode`)."""
         if not self._tar_decode or self.index.shards[shard].format != "tar":

@@ -56,7 +56,10 @@ def _options_key(options: dict[str, Any]) -> bytes | str:
 
 
 def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
-    """(fsspec filesystem, path) for `url`: this process's client for these options."""
+    """(filesystem, path) for reading `url`: this process's client for these options. For
+    s3:// URLs whose options it handles, the standard-library client of
+    `shardloader.cache.s3get` (no s3fs import, no botocore session; see there why); else
+    fsspec's filesystem for the protocol."""
     import fsspec
 
     options = dict(storage_options or {})
@@ -68,6 +71,12 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
     key = (os.getpid(), protocol, _options_key(options))
     with _CLIENTS_LOCK:
         fs = _CLIENTS.get(key)
+        if fs is None and protocol in ("s3", "s3a"):
+            from shardloader.cache.s3get import s3_reader
+
+            fs = s3_reader(url, options)
+            if fs is not None:
+                _CLIENTS[key] = fs
         if fs is None:
             extra: dict[str, Any] = {"skip_instance_cache": True}
             session = _INHERITED_SESSIONS.get(key[1:])

@@ -20,13 +20,18 @@ that is missing or does not verify is a warning, and that shard is read whole, a
 
 Sidecars are shared on the node: a process that fetched and verified one keeps it in
 `<cache_dir>/ranges/<algorithm>-<digest>` (named by its checksum in the index, verified again
-when read), and a Loader fetches the sidecars of its first batches' shards in a background
-thread of the training process while its workers start. Workers that look after it finished
-(and other ranks, later epochs) find them there; the training process's own client is ready,
-so this often finishes first (A/B with 2 workers on loopback S3: 0.79 s vs 0.96 s to the first
-batch). A worker never waits for it: what is not there yet it fetches itself. These files are
-small (about 65 bytes per row and column) and are not counted in the cache limit;
-`shardloader cache prune` leaves them.
+when read). These files are small (about 65 bytes per row and column) and are not counted in the
+cache limit; `shardloader cache prune` leaves them.
+
+The first batch. Before a Loader forks its workers, the training process fetches everything its
+first batch reads by range (`prime`: sidecars, then spans, verified) and keeps it; the workers
+inherit it with the fork (`after_fork`), so the first batch's worker reads its rows without a
+request and the next batches' requests do not compete with the first's. Measured with 2 workers
+on loopback moto (which serves one request at a time), speed.py's cold first batch: the priming
+and the lighter S3 client of `shardloader.cache.s3get` together took it from 1.34 s to 0.38 s
+(medians of 7 fresh processes, alternated). After the fork a background thread of the training
+process fetches the sidecars of the next batches' shards (`warm`) for the workers to find on the
+node; a worker never waits for it: what is not there yet it fetches itself.
 
 Bounds. Per process and shard, reads by range fetch at most `budget` (a fraction of the shard's
 size); a read that would pass it waits for the whole shard instead, so range reads cost at most
@@ -42,7 +47,7 @@ import random
 import secrets
 import threading
 import warnings
-from collections import OrderedDict
+from collections import ChainMap, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,8 +64,13 @@ from shardloader.format.ranges import RANGES_KEY, RangeTable, rows_from_spans, s
 
 log = logging.getLogger(__name__)
 
-#: Spans of one shard at most this far apart are fetched in one request.
-DEFAULT_GAP = 64 << 10
+#: Spans of one shard at most this far apart are fetched in one request: 1 MiB, the distance
+#: below which the Rust `object_store` crate (behind obstore, litdata's reader) joins ranges
+#: too. On loopback moto a cold first batch of 64 rows from 8 shards took 60 requests with
+#: 64 KiB and 35 with 1 MiB (10 MB instead of 1 MB): 0.45 -> 0.38 s to the first batch, A/B.
+#: Behind a proxy adding 30 ms per request: 0.47 -> 0.34 s at 200 MB/s, but 0.49 -> 0.68 s at
+#: 25 MB/s, where the gaps' bytes cost more than the requests they save (see docs/cache.md).
+DEFAULT_GAP = 1 << 20
 #: One request covers at most this many bytes (spans are never split).
 _MAX_REQUEST = 8 << 20
 #: Shared and group spans (Arrow batch metadata) up to this size are kept for the next reads of
@@ -142,7 +152,7 @@ class RangeReads:
                 have = state.table.inline
                 missing = np.asarray([i for i in ids.tolist() if i not in state.kept and i not in have],
                                      dtype=np.int64)
-                cost = state.table.needed_bytes(missing)
+                cost = self._cost(state.table, missing)
                 if state.spent + cost > self.budget * info.bytes:
                     continue  # reading on by range would cost more than waiting for the shard
                 state.spent += cost
@@ -160,11 +170,69 @@ class RangeReads:
                 for i in keep.intersection(spans):
                     if len(spans[i]) <= _MAX_KEPT:  # a Parquet row group is fetched per read
                         state.kept[i] = spans[i]
-                have = {**state.table.inline, **state.kept, **spans}
+                have = ChainMap(spans, dict(state.kept), state.table.inline)  # what the rows need
                 self.counters.reads += 1
             out[pos] = rows_from_spans(state.table, have, rows, where=self._url(info.path),
                                        tar_offsets=state.tar)
         return out
+
+    def prime(self, wanted: Sequence[tuple[ShardInfo, np.ndarray]]) -> int:
+        """Fetch, verify and keep the spans that reading the rows of `wanted` needs (and the
+        sidecars of their shards), so that those reads need no request: in this process, and in
+        worker processes forked after this returns, which inherit what it kept. A Loader calls
+        it for its first batch before it forks its workers (see `RemoteSource.prime_ranges`).
+        Spans over `_MAX_KEPT` (Parquet row groups) are left to the reads. Returns the number
+        of spans kept. Never raises: the read that needs the rows fetches (and reports) itself."""
+        try:
+            states = self._states([info for info, _ in wanted])
+            work: list[tuple[ShardInfo, _ShardState, np.ndarray]] = []
+            with self._lock:
+                for info, rows in wanted:
+                    state = states.get(info.path)
+                    if state is None:
+                        continue
+                    ids = state.table.needed(rows)
+                    small = state.table.spans[ids, 1] <= _MAX_KEPT
+                    missing = np.asarray([i for i in ids[small].tolist()
+                                          if i not in state.kept and i not in state.table.inline],
+                                         dtype=np.int64)
+                    cost = self._cost(state.table, missing)
+                    if not len(missing) or state.spent + cost > self.budget * info.bytes:
+                        continue
+                    state.spent += cost
+                    work.append((info, state, missing))
+            if not work:
+                return 0
+            fetched = self._fetch_spans([(info, state.table, missing) for info, state, missing in work])
+            with self._lock:
+                for (_, state, _), spans in zip(work, fetched):
+                    state.kept.update(spans)
+            return sum(len(spans) for spans in fetched)
+        except Exception:  # noqa: BLE001 - an optimisation: the reads fetch what they need
+            log.debug("priming reads by range failed", exc_info=True)
+            return 0
+
+    def _gap(self, table: RangeTable) -> int:
+        """How far apart spans of this shard may lie and still share a request: `gap`, but at
+        most 1/16 of the shard, so that a read of a few rows of a small shard never transfers
+        most of it (it would rather wait for the whole shard, see `budget`)."""
+        return min(self.gap, table.shard_bytes // 16)
+
+    def _cost(self, table: RangeTable, ids: np.ndarray) -> int:
+        """Bytes the requests for spans `ids` transfer (gaps between joined spans included)."""
+        if not len(ids):
+            return 0
+        return sum(hi - lo for lo, hi, _ in coalesce(table.spans[ids], self._gap(table)))
+
+    def after_fork(self) -> RangeReads:
+        """This object, made safe to use in a forked child: the tables and spans it holds are
+        kept (that is what the child inherits them for); locks, loads in flight (threads do
+        not cross a fork), counters and the jitter source start anew."""
+        self._lock = threading.Lock()
+        self._loading = {}
+        self.counters = RangeCounters()
+        self._rng = random.Random()
+        return self
 
     # -- sidecars ------------------------------------------------------------------------------
     def _url(self, relative: str) -> str:
@@ -338,7 +406,7 @@ class RangeReads:
                 if not len(ids):
                     continue
                 rel = join_url(base, info.path) if base else info.path
-                for lo, hi, members in coalesce(table.spans[ids], self.gap):
+                for lo, hi, members in coalesce(table.spans[ids], self._gap(table)):
                     requests.append(RangeRequest(rel, self._url(info.path), lo, hi, info.bytes))
                     owners.append((w, lo, [int(ids[m]) for m in members]))
             if not requests:

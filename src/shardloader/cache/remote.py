@@ -99,7 +99,7 @@ class RemoteSource:
         prefetch_bytes: int | str | None = None,
         full_timeout: float = 30.0,
         range_reads: bool = True,
-        range_gap: int | str = "64KiB",
+        range_gap: int | str = "1MiB",
         range_budget: float = 0.5,
     ) -> None:
         self.root = url.rstrip("/")
@@ -141,6 +141,9 @@ class RemoteSource:
     )
 
     def _reset_process_state(self) -> None:
+        # Reads by range of a parent (primed for the first batch, sidecars decoded) carry over
+        # into a forked worker; everything else here is per process.
+        inherited: RangeReads | None = getattr(self, "_ranged", None)
         self._pid = os.getpid()
         self._lock = threading.Lock()
         self._store_obj: ShardCache | None = None
@@ -149,7 +152,7 @@ class RemoteSource:
         self._rng = random.Random()
         self._releasers: list[Releaser] = []
         self._largest: tuple[Any, int] | None = None  # (index fingerprint, largest footprint)
-        self._ranged: RangeReads | None = None
+        self._ranged: RangeReads | None = inherited.after_fork() if inherited is not None else None
 
     def __getstate__(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in self._CONFIG}
@@ -254,6 +257,25 @@ class RemoteSource:
             return {}
         got = self._range_reads().read([item for _, item in todo])
         return {todo[i][0]: records for i, records in got.items()}
+
+    def prime_ranges(self, wanted: Sequence[tuple[ShardInfo, Any]]) -> int:
+        """Fetch now, and keep in this process, the spans that reading the rows of `wanted`
+        ((shard, rows): a Loader's first batch) by range needs, for shards the node cache does
+        not hold whole; worker processes forked afterwards inherit them and read those rows
+        without a request. Only where `read_by_range` would read by range. Returns the spans
+        kept; never raises (see `RangeReads.prime`)."""
+        if not (self.range_reads and self.prefetch and self.prefetch_expected) or not wanted:
+            return 0
+        store = self.store
+        todo = []
+        for info, rows in wanted:
+            try:
+                if RANGES_KEY not in info.extra or os.path.exists(store.path_for(info)):
+                    continue
+            except ShardloaderError:
+                continue
+            todo.append((info, rows))
+        return self._range_reads().prime(todo) if todo else 0
 
     def expect_prefetch(self) -> None:
         """Called by a Loader before it starts its workers: its prefetcher will download whole

@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing.util  # noqa: F401 - registers its exit handler before ours (see below)
 import numbers
+import threading
 import time
 import warnings
 import weakref
@@ -388,6 +389,9 @@ class Loader:
             pass
 
 
+#: How long iter() waits for the first batch's bytes before it starts the workers anyway.
+_PRIME_SECONDS = 30.0
+
 #: Loaders not yet garbage-collected; closed at interpreter exit (weak: never kept alive).
 _LIVE_LOADERS: weakref.WeakSet[Loader] = weakref.WeakSet()
 
@@ -440,11 +444,14 @@ class _EpochIterator:
             expect()
         # A source that reads the first batches' rows by byte range starts whole-shard prefetch
         # once the first batch is out, so that its downloads do not compete with those reads
-        # (bandwidth, connections, CPU) for the batch a cold start waits for; meanwhile it
-        # fetches the first shards' range sidecars for the workers (after they are forked:
-        # no thread of ours runs across the fork).
+        # (bandwidth, connections, CPU) for the batch a cold start waits for. Before the fork,
+        # the first batch's bytes are fetched here (the workers inherit them; the fetching
+        # thread has ended, the S3 client's own threads are idle and never used by a child);
+        # after it, the next shards' range sidecars, for the workers.
         defer = getattr(source, "defers_prefetch", None)
         self._defer_prefetch = bool(defer(loader._data.index)) if defer is not None else False
+        if self._defer_prefetch:
+            self._prime_first_batch()
         self.pool = loader._get_pool()
         warm = getattr(source, "warm_ranges", None)
         if self._defer_prefetch and warm is not None:
@@ -461,6 +468,30 @@ class _EpochIterator:
         self._counts_locally = counters is not None and not isinstance(loader._data.source, LocalSource)
         self.prefetch_handle = None if self._defer_prefetch else self._start_prefetch()
         self.finished = False
+
+    def _prime_first_batch(self) -> None:
+        """Cold start from remote shards: fetch the bytes the first batch reads by range now,
+        before the workers fork, so that its worker inherits them and needs no request, and the
+        other workers' requests for the next batches do not compete with the first's (measured
+        with 2 workers on loopback S3: see docs/cache.md). The imports the workers would inherit
+        are done meanwhile. Bounded: a fetch still running after `_PRIME_SECONDS` is left to
+        finish in the background (its worker then fetches the rows itself)."""
+        loader = self.loader
+        prime = getattr(loader._data, "prime", None)
+        if prime is None or self.next_step >= self.steps:
+            return
+        forks = loader.num_workers > 0 and loader.worker_type == "process"
+        if loader._pool is not None or (forks and (loader._mp_context or "fork") != "fork"):
+            return  # workers already running (persistent), or started fresh: they would not inherit
+        samples = loader.step_samples(self.epoch, self.next_step)
+        thread = threading.Thread(target=prime, args=(samples,), name="shardloader-prime", daemon=True)
+        thread.start()
+        if forks:
+            loader._producer.warm_up()
+        thread.join(_PRIME_SECONDS)
+        if thread.is_alive():
+            warnings.warn(f"fetching the first batch's bytes took over {_PRIME_SECONDS:g} s; starting "
+                          "the workers anyway (they fetch what they need themselves)", stacklevel=4)
 
     def _submit_next(self) -> None:
         loader = self.loader
