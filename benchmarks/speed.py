@@ -18,7 +18,8 @@ Figures and how each is measured (all in this one run):
   round; fraction of the limit = a loader's samples/s / the antialiased limit (the work the
   loaders do), per round, median.
 * stall at 80%: a consumer that works (sleeps) 1.25x each loader's measured per-batch time;
-  time waiting in next() / wall time (`peers.StallTest`, loaders taking turns in chunks).
+  time waiting in next() / wall time (`peers.StallTest`, loaders taking turns in chunks, each
+  left alone 0.3 s unmeasured after its warm-up and after each chunk).
 * isolated runs, one fresh process per loader (`--repeats` of them): construction to first
   batch ("first batch, local"; the library is imported before the clock starts, FFCV's JIT
   compilation is inside it); in the first repeat the process then finishes that epoch and runs
