@@ -8,9 +8,12 @@ for a survivor; a zombie (exited, not yet reaped) counts as gone.
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -93,3 +96,17 @@ def with_env(name: str, value: str) -> list[Proc]:
         if stat is not None and stat[0] != "Z":
             found.append(Proc(int(entry), stat[2], _cmdline(int(entry))))
     return found
+
+
+def answer_from_fork(target: Callable[..., None], *args: Any, timeout: float = 30) -> tuple[int, Any]:
+    """(pid, answer): `target(*args, conn)` run in a forked child, which sends its answer on
+    `conn`; waits up to `timeout` for it, and for the child to end."""
+    ctx = mp.get_context("fork")
+    parent, child = ctx.Pipe()
+    process = ctx.Process(target=target, args=(*args, child))
+    process.start()
+    try:
+        assert parent.poll(timeout), f"the forked child ({target.__name__}) did not answer"
+        return process.pid, parent.recv()
+    finally:
+        process.join(10)

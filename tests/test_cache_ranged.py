@@ -19,6 +19,7 @@ from shardloader.cache.maintenance import verify_all
 from shardloader.errors import ChecksumMismatch, FetchError
 from shardloader.format.indexer import index_dataset
 from shardloader.format.writer import write_shards
+from tests.proctree import answer_from_fork
 from tests.resume import assert_exact_resume, take
 from tests.sample_transforms import make_samples, noisy_crop
 
@@ -258,7 +259,6 @@ def _read_in_child(ds: Dataset, samples: list[int], conn) -> None:
 
 
 def test_primed_rows_are_read_by_a_forked_worker_without_a_request(arrow_dir, s3_server, s3_url, tmp_path):
-    import multiprocessing as mp
 
     want = Dataset(arrow_dir).get_many(SAMPLES)
     remote = _ranged(Dataset(s3_url(arrow_dir), cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
@@ -266,15 +266,7 @@ def test_primed_rows_are_read_by_a_forked_worker_without_a_request(arrow_dir, s3
     assert remote.prime(SAMPLES) > 0  # what a Loader does for its first batch, before forking
     primed = remote.source.counters()["range_requests"]
     assert primed > 0
-    ctx = mp.get_context("fork")
-    parent, child = ctx.Pipe()
-    process = ctx.Process(target=_read_in_child, args=(remote, SAMPLES, child))
-    process.start()
-    try:
-        assert parent.poll(60), "the forked reader did not answer"
-        got, requests, downloads = parent.recv()
-    finally:
-        process.join(10)
+    _, (got, requests, downloads) = answer_from_fork(_read_in_child, remote, SAMPLES, timeout=60)
     assert got == want  # bit for bit, in the order asked
     assert (requests, downloads) == (0, 0)  # every byte came with the fork, verified before it
     # and the training process itself reads them without a request too

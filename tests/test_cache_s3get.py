@@ -6,7 +6,6 @@ shardloader.cache.fetch, and starts afresh in a forked child."""
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import random
 
@@ -17,6 +16,7 @@ from shardloader.cache.s3get import S3Reader, s3_settings, signed_headers
 from shardloader.errors import FetchError
 from shardloader.format.checksum import checksum_bytes
 from tests.fixtures.servers import Fault, always, seeded
+from tests.proctree import answer_from_fork
 
 FAST = RetryPolicy(attempts=8, base_delay=0.005, max_delay=0.02, deadline=30)
 PAYLOAD = random.Random(11).randbytes(200_000)
@@ -130,15 +130,8 @@ def test_a_forked_child_reads_with_a_client_of_its_own(obj, s3_server):
     opts = s3_server.storage_options()
     fs, path = filesystem(obj, opts)
     assert fs.cat_ranges([path, path], [0, 1], [2, 3]) == [PAYLOAD[:2], PAYLOAD[1:3]]  # threads, pool
-    parent, child = mp.get_context("fork").Pipe()
-    process = mp.get_context("fork").Process(target=_read_in_child, args=(obj, opts, child))
-    process.start()
-    try:
-        assert parent.poll(30), "the child did not answer"
-        pid, client, data = parent.recv()
-    finally:
-        process.join(10)
-    assert pid == process.pid and client != id(fs)
+    child_pid, (pid, client, data) = answer_from_fork(_read_in_child, obj, opts)
+    assert pid == child_pid and client != id(fs)
     assert data == [PAYLOAD[:50], PAYLOAD[100:300]]
     assert fs.cat_file(path) == PAYLOAD  # the parent's client still works
 

@@ -25,7 +25,6 @@ changes what a shard reads as, only which library reads it.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import sys
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from shardloader.errors import ShardChangedError
+from shardloader.format.rows import pread_values
 
 _MAGIC = b"ARROW1"
 _CONTINUATION = 0xFFFFFFFF
@@ -328,7 +327,7 @@ class BatchReader:
 
     def records(self, rows: np.ndarray) -> list[dict[str, Any]]:
         columns = [_read(kind, text, views, rows) if kind != "varlen" or self._fd < 0
-                   else _pread(self._fd, self._where, text, views[0], at, rows)
+                   else pread_values(self._fd, at, views[0], rows, text, self._where)
                    for (kind, text, views), at in zip(self._columns, self._data_offsets)]
         if not columns:
             return [{} for _ in range(len(rows))]
@@ -352,17 +351,3 @@ def _read(kind: str, text: bool, views: tuple[np.ndarray, ...], rows: np.ndarray
         return [raw[a:b].tobytes() for a, b in zip(starts, ends)]
     finally:
         raw.release()
-
-
-def _pread(fd: int, where: str, text: bool, offsets: np.ndarray, base: int,
-           rows: np.ndarray) -> list[Any]:
-    """Varlen values read from the file with pread: row r is bytes offsets[r]..offsets[r+1]
-    of the data buffer that starts at `base` in the file."""
-    starts, ends = offsets[rows].tolist(), offsets[rows + 1].tolist()
-    values = [os.pread(fd, b - a, base + a) for a, b in zip(starts, ends)]
-    for value, a, b in zip(values, starts, ends):
-        if len(value) != b - a:
-            raise ShardChangedError(
-                f"{where}: the file is shorter than when it was opened (bytes {base + a}-"
-                f"{base + b} read {len(value)}): it changed under the reader")
-    return [str(v, "utf-8") for v in values] if text else values

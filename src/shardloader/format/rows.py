@@ -7,13 +7,14 @@ that importing them loads no pyarrow (see `shardloader.format.ipc` for what that
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from shardloader.arrays import sorted_unique
-from shardloader.errors import SchemaError, ShardError
+from shardloader.errors import SchemaError, ShardChangedError, ShardError
 
 
 def check_schema(actual: Mapping[str, str], expected: Mapping[str, str], *, where: str) -> None:
@@ -64,3 +65,19 @@ def gather_rows(
         for pos, record in zip(positions.tolist(), read_group(group, rows[positions] - offsets[group])):
             out[pos] = record
     return out
+
+
+def pread_values(fd: int, base: int, offsets: np.ndarray, rows: np.ndarray, text: bool,
+                 where: str) -> list[Any]:
+    """Rows `rows` of a binary (or, with `text`, string) column read from the open file `fd`
+    with pread: row r is bytes offsets[r]..offsets[r+1] of the column's data buffer, which
+    starts at `base` in the file. A short read means the file shrank under its reader: a
+    ShardChangedError naming `where` and the bytes."""
+    starts, ends = offsets[rows].tolist(), offsets[rows + 1].tolist()
+    values = [os.pread(fd, b - a, base + a) for a, b in zip(starts, ends)]
+    for value, a, b in zip(values, starts, ends):
+        if len(value) != b - a:
+            raise ShardChangedError(
+                f"{where}: the file is shorter than when it was opened (bytes {base + a}-"
+                f"{base + b} read {len(value)}): it changed under the reader")
+    return [str(v, "utf-8") for v in values] if text else values

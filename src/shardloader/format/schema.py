@@ -23,7 +23,6 @@ Large Arrow variants (large_binary, large_string) read as binary and string.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,8 +30,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from shardloader.errors import SchemaError, ShardChangedError
-from shardloader.format.rows import check_schema, check_shard, gather_rows  # noqa: F401 - re-exported
+from shardloader.errors import SchemaError
+from shardloader.format.rows import check_schema, check_shard, gather_rows, pread_values  # noqa: F401 - re-exported
 
 _SCALARS: dict[str, pa.DataType] = {
     "binary": pa.binary(),
@@ -330,15 +329,7 @@ def _varlen_reader(array: pa.Array, large: bool, text: bool,
         return [data[a:b].tobytes() for a, b in zip(starts, ends)]
 
     def pread(rows: np.ndarray) -> list[Any]:
-        starts, ends = offsets[rows].tolist(), offsets[rows + 1].tolist()
-        fd, base = mapped.fd, file_offset
-        values = [os.pread(fd, b - a, base + a) for a, b in zip(starts, ends)]
-        for value, a, b in zip(values, starts, ends):
-            if len(value) != b - a:
-                raise ShardChangedError(
-                    f"{mapped.where}: the file is shorter than when it was opened (bytes "
-                    f"{base + a}-{base + b} read {len(value)}): it changed under the reader")
-        return [str(v, "utf-8") for v in values] if text else values
+        return pread_values(mapped.fd, file_offset, offsets, rows, text, mapped.where)
 
     return read if file_offset is None else _light(pread)
 
