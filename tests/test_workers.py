@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -93,6 +94,26 @@ def test_a_loop_that_drops_its_batches_reuses_a_few_slots(dataset_dir):
         # two dropped ones the receiver has not sent back yet (9 measured). A slot never given
         # back would leave one per batch: over 100 here.
         assert len(loader._pool._slots._slots) <= 2 * (2 + 4)
+    finally:
+        loader.close()
+
+
+def test_batches_waiting_in_a_deep_prefetch_are_lent_not_copied(dataset_dir, monkeypatch):
+    """Batches waiting to be taken are lent too: with prefetch_factor=6 all of them can wait
+    at once, and none may fall back to the copy meant for scripts that keep every batch."""
+    copied = []
+    real = slots._copied
+    monkeypatch.setattr(slots, "_copied", lambda *a: (copied.append(len(a[0])), real(*a))[1])
+    loader = make(dataset_dir, prefetch_factor=6)
+    try:
+        it = iter(loader)
+        next(it)
+        deadline = time.monotonic() + 60
+        while loader._pool.ready() < 2 * 6 - 1:  # every submitted batch arrived and waits
+            assert time.monotonic() < deadline, "the workers did not fill the prefetch"
+            time.sleep(0.01)
+        assert sum(1 for _ in it) == len(loader) - 1
+        assert copied == []
     finally:
         loader.close()
 

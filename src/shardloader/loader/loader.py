@@ -338,7 +338,8 @@ class Loader:
     def _get_pool(self) -> Any:
         if self._pool is None:
             self._pool = make_pool(self._producer, self.num_workers, self.worker_type,
-                                   context=self._mp_context, timeout=self._timeout)
+                                   context=self._mp_context, timeout=self._timeout,
+                                   prefetch_factor=self.prefetch_factor)
         return self._pool
 
     def _release_pool(self, force: bool = False, timeout: float = CLOSE_SECONDS) -> None:

@@ -11,8 +11,8 @@ reused for every later batch.
 
 The loader hands the tensors out as views of the slot (no copy), and the slot goes back to its
 worker once every one of them is gone: each tensor's memory is a numpy view of the slot whose
-finalizer gives it back (see `SlotReader._lend`). Whatever the user keeps (a view, a numpy array of it,
-the storage) keeps the slot lent, so a lent slot is never written while anything can still
+finalizer gives it back (see `SlotReader._lend`). Whatever the user keeps (a view, a numpy
+array of it, the storage) keeps the slot lent, so a lent slot is never written while anything can still
 read it; the worker makes another slot meanwhile (it never waits). Each tensor has its own
 storage of exactly its bytes (`torch.save` of a label writes the label, not the slot). A
 worker lends at most `LEND_PER_WORKER` slots at once; beyond that (a script that keeps every
@@ -42,7 +42,8 @@ import torch
 
 _ALIGN = 64
 _MIN_SLOT_BYTES = 1 << 20
-#: Slots of one worker lent to the user at once (see the module's docstring). A training loop
+#: Slots of one worker lent at once (see the module's docstring), at least: batches waiting to
+#: be taken count too, so a pool lends `prefetch_factor + 2` when that is more. A training loop
 #: holds one or two batches; more than this means batches are being kept.
 LEND_PER_WORKER = 4
 #: Room `allocate` leaves after the reserved tensor for the batch's other tensors (labels...).

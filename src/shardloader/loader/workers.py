@@ -38,7 +38,7 @@ import torch.multiprocessing as torch_mp
 from shardloader.child_process import die_with_parent, started_from_main_thread
 from shardloader.errors import WorkerError
 from shardloader.loader.batches import BatchProducer, BatchTask, BatchTimings
-from shardloader.loader.slots import SlotReader, SlotWriter
+from shardloader.loader.slots import LEND_PER_WORKER, SlotReader, SlotWriter
 
 Result = tuple[Any, BatchTimings]
 _POLL_SECONDS = 0.2
@@ -258,7 +258,7 @@ class ProcessPool:
     """
 
     def __init__(self, producer: BatchProducer, num_workers: int, *, context: str | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, prefetch_factor: int = 2) -> None:
         ctx = torch_mp.get_context(context or "fork")
         if ctx.get_start_method() == "fork":
             producer.warm_up()  # workers inherit the imports instead of each paying for them
@@ -267,7 +267,9 @@ class ProcessPool:
         self._results = ctx.Queue()
         self._task_queues = [ctx.SimpleQueue() for _ in range(num_workers)]
         self._slot_returns = [ctx.SimpleQueue() for _ in range(num_workers)]
-        self._slots = SlotReader(self._slot_returns)
+        # Lent per worker: its batches waiting in `_done` (prefetch_factor), the one the
+        # training loop holds, and one dropped but not yet sent back.
+        self._slots = SlotReader(self._slot_returns, lend_per_worker=max(LEND_PER_WORKER, prefetch_factor + 2))
         self._workers = []
         self._next_worker = 0
         self._assigned: dict[int, int] = {}  # task id -> worker id
@@ -448,7 +450,7 @@ _LIVE_POOLS: weakref.WeakSet[ProcessPool] = weakref.WeakSet()
 
 
 def make_pool(producer: BatchProducer, num_workers: int, worker_type: str, *,
-              context: str | None = None, timeout: float | None = None) -> Any:
+              context: str | None = None, timeout: float | None = None, prefetch_factor: int = 2) -> Any:
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     if num_workers == 0:
@@ -456,7 +458,8 @@ def make_pool(producer: BatchProducer, num_workers: int, worker_type: str, *,
     if worker_type == "thread":
         return ThreadPool(producer, num_workers, timeout=timeout)
     if worker_type == "process":
-        return ProcessPool(producer, num_workers, context=context, timeout=timeout)
+        return ProcessPool(producer, num_workers, context=context, timeout=timeout,
+                           prefetch_factor=prefetch_factor)
     raise ValueError(f"worker_type must be 'process' or 'thread', got {worker_type!r}")
 
 
