@@ -158,16 +158,17 @@ def test_tensor_metadata_nested_past_the_recursion_limit_is_left_to_pyarrow(tmp_
     assert ipc.parse_file(sink.getvalue().to_pybytes()) is None
 
 
-def test_a_loader_over_local_arrow_data_loads_no_pyarrow(tmp_path):
+def test_a_loader_over_local_arrow_data_loads_no_pyarrow_nor_fsspec(tmp_path):
     """The training process and its workers read the shards without importing pyarrow (what
-    it would cost them: see `shardloader.format.ipc`)."""
+    it would cost them: see `shardloader.format.ipc`), nor fsspec (a local index is opened
+    as a file)."""
     write_shards(make_samples(96, seed=1, array=True), tmp_path / "ds", shard_samples=32)
     script = textwrap.dedent("""
         import json, sys
         from shardloader import Dataset, Loader
 
         def transform(record):
-            record["worker_has_pyarrow"] = int("pyarrow" in sys.modules)
+            record["worker_loaded_either"] = int("pyarrow" in sys.modules or "fsspec" in sys.modules)
             return record
 
         loader = Loader(Dataset(sys.argv[1]), batch_size=16, num_workers=2,
@@ -175,9 +176,9 @@ def test_a_loader_over_local_arrow_data_loads_no_pyarrow(tmp_path):
         seen = []
         with loader:
             for batch in loader:
-                seen += batch["worker_has_pyarrow"].tolist()
+                seen += batch["worker_loaded_either"].tolist()
         print(json.dumps({"rows": len(seen), "workers": sorted(set(seen)),
-                          "main": "pyarrow" in sys.modules}))
+                          "main": "pyarrow" in sys.modules or "fsspec" in sys.modules}))
     """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ds")], env=env,
