@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -60,14 +61,16 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
     s3:// URLs whose options it handles, the standard-library client of
     `shardloader.cache.s3get` (no s3fs import, no botocore session; see there why); else
     fsspec's filesystem for the protocol."""
-    import fsspec
-
     options = dict(storage_options or {})
     if url.startswith(("s3://", "s3a://")):
         options = _with_connection_pool(options)
     if "::" in url:  # chained URLs: let fsspec build the chain each time
+        import fsspec
+
         return fsspec.core.url_to_fs(url, **options)
-    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    # The protocol as fsspec's split_protocol reads it ("file" for a plain path), without
+    # importing fsspec: the standard-library S3 client below needs none of it.
+    protocol = url.split("://", 1)[0] if "://" in url else "file"
     key = (os.getpid(), protocol, _options_key(options))
     with _CLIENTS_LOCK:
         fs = _CLIENTS.get(key)
@@ -78,6 +81,8 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple
             if fs is not None:
                 _CLIENTS[key] = fs
         if fs is None:
+            import fsspec
+
             extra: dict[str, Any] = {"skip_instance_cache": True}
             session = _INHERITED_SESSIONS.get(key[1:])
             if session is not None and "session" not in options:
@@ -130,11 +135,10 @@ def _keep_inherited_clients() -> None:
         if session is not None:
             _INHERITED_SESSIONS[tuple(rest)] = session
     _INHERITED.extend(_CLIENTS.values())
-    try:
-        from fsspec.spec import AbstractFileSystem
-    except ImportError:  # pragma: no cover - fsspec is a dependency
+    spec = sys.modules.get("fsspec.spec")
+    if spec is None:  # the parent never loaded fsspec: no instance of it to keep (nor import)
         return
-    pending = [AbstractFileSystem]
+    pending = [spec.AbstractFileSystem]
     while pending:
         cls = pending.pop()
         pending.extend(cls.__subclasses__())
