@@ -20,6 +20,8 @@ never depends on which worker finished first.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import operator
 import os
 import pickle
 import queue
@@ -213,9 +215,13 @@ def _task_frame(task: BatchTask) -> bytes:
     one `os.write` (measured on the 2-core machine, 10 ms between tasks; a write that wakes the
     worker is ~20 us of that). The frame is far below PIPE_BUF, so the write is atomic: it
     never interleaves with another writer's message and needs no lock."""
-    payload = pickle.dumps((task.task_id, task.epoch, task.step, task.samples, task.padded,
-                            task.size), protocol=pickle.HIGHEST_PROTOCOL)
+    payload = pickle.dumps(_task_values(task), protocol=pickle.HIGHEST_PROTOCOL)
     return _FRAME_HEADER.pack(len(payload)) + payload
+
+
+#: A BatchTask's field values, in field order: what travels (the worker rebuilds the task
+#: with `BatchTask(*values)`).
+_task_values = operator.attrgetter(*(f.name for f in dataclasses.fields(BatchTask)))
 
 
 _WORKER_NICE = 5
@@ -305,7 +311,7 @@ class ProcessPool:
         if len(frame) <= select.PIPE_BUF:  # one atomic write (see `_task_frame`)
             os.write(self._task_queues[worker_id]._writer.fileno(), frame)
         else:  # a task that carries its samples and many of them: the queue's own framing
-            self._task_queues[worker_id].put(pickle.loads(frame[_FRAME_HEADER.size:]))
+            self._task_queues[worker_id].put(_task_values(task))
 
     def _receive(self) -> None:
         """The receiver thread: results into `_done`, slots of dropped batches given back."""
