@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from shardloader.arrays import sorted_unique
+from shardloader.arrays import positions_by_value, sorted_unique
 from shardloader.errors import DatasetIndexError, ShardChangedError
 from shardloader.format.index import Index
 from shardloader.format.reader import ShardReader, open_shard
@@ -143,14 +143,15 @@ class Dataset:
         samples = np.asarray(samples, dtype=np.int64)
         shards, rows = self.index.locate_many(samples)
         out: list[dict[str, Any] | None] = [None] * len(samples)
-        per_shard = [(int(shard), np.flatnonzero(shards == shard)) for shard in sorted_unique(shards)]
+        per_shard = positions_by_value(shards)
         ranged = self._read_by_range([(shard, rows[positions]) for shard, positions in per_shard])
+        numbers = samples.tolist()
         for shard, positions in per_shard:
             records = ranged.get(shard)
             if records is None:
                 records = self._read_rows(shard, rows[positions].tolist())
             for pos, record in zip(positions.tolist(), records):
-                record[INDEX_FIELD] = int(samples[pos])
+                record[INDEX_FIELD] = numbers[pos]
                 out[pos] = record
         return out  # type: ignore[return-value]
 
@@ -204,15 +205,25 @@ class Dataset:
         """Rows of `shard`. A reader whose file changed in place since it was opened is dropped
         and the shard opened again once (verifying the file anew), so the rows come from a file
         that matches the index or the call raises a ShardError naming it."""
+        if os.getpid() != self._pid:
+            self._reset_process_state()
+        decode = bool(self._tar_decode) and self.index.shards[shard].format == "tar"
         for attempt in range(2):
-            with self._using(shard) as reader:
-                try:
-                    where = getattr(reader, "path", "")
-                    return [self._decoded(r, shard, where) for r in reader.read_rows(rows)]
-                except ShardChangedError:
-                    if attempt:
-                        raise
-                    self._retire(shard, reader)
+            # `_acquire`/`_release` rather than `with self._using(...)`: this runs once per shard
+            # of every batch, and the generator-based context manager cost more than the read
+            # bookkeeping it wraps.
+            reader = self._acquire(shard)
+            try:
+                records = reader.read_rows(rows)
+                if decode:
+                    records = [self._decoded(r, shard, getattr(reader, "path", "")) for r in records]
+                return records
+            except ShardChangedError:
+                if attempt:
+                    raise
+                self._retire(shard, reader)
+            finally:
+                self._release(shard)
         raise AssertionError("unreachable")
 
     def _retire(self, shard: int, reader: ShardReader) -> None:
@@ -243,11 +254,15 @@ class Dataset:
         try:
             yield reader
         finally:
-            with self._readers_lock:
-                self._in_use[shard] -= 1
-                if not self._in_use[shard]:
-                    del self._in_use[shard]
-                self._close_idle_over_limit()
+            self._release(shard)
+
+    def _release(self, shard: int) -> None:
+        """Undo one `_acquire`: the reader may be closed again when over the limit and idle."""
+        with self._readers_lock:
+            self._in_use[shard] -= 1
+            if not self._in_use[shard]:
+                del self._in_use[shard]
+            self._close_idle_over_limit()
 
     def _acquire(self, shard: int) -> ShardReader:
         with self._readers_lock:
@@ -304,6 +319,8 @@ class Dataset:
     def _close_idle_over_limit(self, room_for: int = 0) -> None:
         """Close least recently used readers that no thread is using (caller holds the lock)."""
         excess = len(self._readers) + room_for - self.max_open_shards
+        if excess <= 0:
+            return
         for shard in list(self._readers):
             if excess <= 0:
                 break
