@@ -270,7 +270,11 @@ class ProcessPool:
             producer.warm_up()  # workers inherit the imports instead of each paying for them
         self.timeout = timeout
         self._closed = False
-        self._results = ctx.Queue()
+        # A SimpleQueue: each worker writes its (small) result message itself, under the
+        # queue's lock. multiprocessing.Queue would hand it to a feeder thread per worker, a
+        # thread switch per batch that cost the worker ~150 us of CPU per batch (measured on
+        # the 2-core machine: pack + put 166-200 us per batch, the feeder 50 us more).
+        self._results = ctx.SimpleQueue()
         self._task_queues = [ctx.SimpleQueue() for _ in range(num_workers)]
         self._slot_returns = [ctx.SimpleQueue() for _ in range(num_workers)]
         # Lent per worker: its batches waiting in `_done` (prefetch_factor), the one the
@@ -318,9 +322,9 @@ class ProcessPool:
         while not self._closed:
             self._slots.give_back_freed()  # batches the training loop has dropped meanwhile
             try:
-                message = self._results.get(timeout=_POLL_SECONDS)
-            except queue.Empty:
-                continue
+                if not self._results._reader.poll(_POLL_SECONDS):
+                    continue
+                message = self._results.get()
             except (EOFError, OSError, ValueError):  # the queue was closed under us
                 return
             except Exception as e:  # noqa: BLE001 - e.g. a result that does not unpickle
@@ -390,9 +394,8 @@ class ProcessPool:
         """Stop the workers within about `timeout` seconds; idempotent, never unbounded.
 
         Asks each worker to stop (a None task), waits until the deadline, then terminates and
-        finally kills what is left. Safe at interpreter exit: it starts no thread (the result
-        queue's feeder thread is never started here) and the receiver thread notices
-        `_closed` at its next poll."""
+        finally kills what is left. Safe at interpreter exit: it starts no thread, and the
+        receiver thread notices `_closed` at its next poll."""
         if self._closed:
             return
         self._closed = True
@@ -414,7 +417,6 @@ class ProcessPool:
             _join_all(alive, time.monotonic() + grace)
         if self._receiver is not threading.current_thread() and self._receiver.is_alive():
             self._receiver.join(max(0.0, min(2 * _POLL_SECONDS, deadline - time.monotonic())) or 0.01)
-        self._results.cancel_join_thread()
         self._results.close()
         for q in (*self._task_queues, *self._slot_returns):
             try:
