@@ -16,7 +16,11 @@ Figures and how each is measured (all in this one run):
 * the fast stack's limit: `DecodeCropFlip(112)` (with and without antialias) alone in a plain
   loop on one thread of this process, samples per CPU second x cores, measured again in every
   round; fraction of the limit = a loader's samples/s / the antialiased limit (the work the
-  loaders do), per round, median.
+  loaders do), per round, median. Where the JPEG crop decoder is built (it decodes only the
+  rows and columns a crop needs: `shardloader/transforms/_jpegcrop.c`) that loop uses it, as
+  every loader here but FFCV does; the table also gives the limit with it off, every image
+  decoded whole by simplejpeg (the issue's "simplejpeg + cv2" stack), and each loader's
+  fraction of that.
 * stall at 80%: a consumer that works (sleeps) 1.25x each loader's measured per-batch time;
   time waiting in next() / wall time (`peers.StallTest`, loaders taking turns in chunks, each
   left alone 0.3 s unmeasured after its warm-up and after each chunk).
@@ -191,18 +195,24 @@ class Live:
     rates: list[float] = field(default_factory=list)
 
 
-def limit(blobs: list[bytes], antialias: bool) -> float:
+def limit(blobs: list[bytes], antialias: bool, whole: bool = False) -> float:
     """Samples per CPU second of `DecodeCropFlip(112, antialias=...)` alone, one thread (this
-    process's thread settings are restored after)."""
+    process's thread settings are restored after). `whole`: with the JPEG crop decoder off,
+    every image decoded whole by simplejpeg (the issue's "simplejpeg + cv2" stack)."""
     import cv2
     import torch
 
     from benchmarks.throughput import limit_rate
+    from shardloader.transforms.decode import crop_decoder_on, use_crop_decoder
 
     threads, cv_threads = torch.get_num_threads(), cv2.getNumThreads()
+    crop_was_on = crop_decoder_on()
+    if whole:
+        use_crop_decoder(False)
     try:
         return limit_rate("fused" if antialias else "fused-linear", blobs)[0]
     finally:
+        use_crop_decoder(crop_was_on)
         torch.set_num_threads(threads)
         cv2.setNumThreads(cv_threads)
 
@@ -237,10 +247,11 @@ def in_process(images: ImageSet, columns: list[str], rounds: int, stall_batches:
     blobs = [images.read_jpeg(i) for i in range(min(limit_samples, images.n))]
     limit(blobs[:50], True)  # imports, first-call costs
     cores = os.cpu_count() or 1
-    limits: dict[str, list[float]] = {"antialias": [], "linear": []}
+    limits: dict[str, list[float]] = {"antialias": [], "linear": [], "whole": []}
     for r in range(rounds):
         limits["antialias"].append(limit(blobs, True) * cores)
         limits["linear"].append(limit(blobs, False) * cores)
+        limits["whole"].append(limit(blobs, True, whole=True) * cores)
         done = []
         for x in live:
             if (x.column, x.work) not in why:
@@ -499,6 +510,15 @@ def figures(results: dict[str, Any]) -> list[Figure]:
         Figure(f"  the limit: plain loop × {cores} cores, no antialias (samples/s)", "{:,.0f}",
                None, {OURS: _median(ip["limits"]["linear"])}),
     ]
+    lim_whole = ip["limits"].get("whole")
+    if lim_whole:  # runs saved before the crop decoder have no such limit
+        lim += [
+            Figure(f"  the limit decoding whole images (simplejpeg + cv2) × {cores} cores, "
+                   "antialias (samples/s)", "{:,.0f}", None, {OURS: _median(lim_whole)}),
+            row("  fraction of that limit", "{:.2f}", None, "fast",
+                lambda c: _median([a / b for a, b in zip(rates(c), lim_whole)]) if rates(c) else None,
+                fast),
+        ]
     stall = row("stall with a consumer at 80% of capacity", "{:.1%}", False, "stall",
                 lambda c: ip["stalls"].get(f"{c}|fast"), fast, goal="≤ 2%",
                 check=lambda o, p: o <= 0.02)

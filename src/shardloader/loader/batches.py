@@ -178,6 +178,10 @@ class BatchProducer:
         try:
             for fmt in {shard.format for shard in getattr(index, "shards", ())}:
                 importlib.import_module(f"shardloader.format.{fmt}")
+            if self._direct is not None:  # check the JPEG crop decoder once, for every worker
+                from shardloader.transforms.decode import crop_decoder_on
+
+                crop_decoder_on()
             if isinstance(getattr(self.dataset, "source", None), LocalSource) and len(self.dataset):
                 self.dataset.get_many(np.zeros(1, dtype=np.int64))  # workers reopen their own
         except Exception:  # noqa: BLE001 - an optimisation only; workers raise the real error

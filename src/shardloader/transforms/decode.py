@@ -20,6 +20,8 @@ files named by stored data would let a dataset reach outside its root, so they a
 from __future__ import annotations
 
 import io
+import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -141,6 +143,90 @@ def decode_jpeg(
         min_width=min_width,
     )
     return image
+
+
+def decode_jpeg_crop(data: Any, image_height: int, image_width: int, top: int, left: int,
+                     height: int, width: int) -> np.ndarray | None:
+    """RGB pixels [top:top+height, left:left+width] of the JPEG `data` (image_height x
+    image_width, from its header), decoding only what that box needs; the same bytes as
+    `decode_jpeg(data, "RGB")[top:top+height, left:left+width]`. None when the crop decoder
+    is not built here, is switched off, or declines the image (a kind it does not take,
+    damaged data): the caller then decodes the whole image.
+
+    The decoder is a C extension over libjpeg-turbo (`shardloader/transforms/_jpegcrop.c`,
+    built by `pip install` where a compiler and the libjpeg-turbo headers are found). Before its
+    first use in a process its output is compared with simplejpeg's on JPEGs of every chroma
+    subsampling it takes; any difference switches it off there, with a warning.
+    `SHARDLOADER_JPEG_CROP=0` switches it off too."""
+    decoder = _CROP_DECODER[0] if _CROP_DECODER else _load_crop_decoder()
+    if decoder is None:
+        return None
+    out = np.empty((height, width, 3), dtype=np.uint8)
+    try:
+        if decoder(data, image_height, image_width, top, left, height, width, out):
+            return out
+    except (TypeError, ValueError, BufferError):  # a buffer it cannot take: decode it whole
+        pass
+    return None
+
+
+def crop_decoder_on() -> bool:
+    """Whether `decode_jpeg_crop` decodes crops in this process (checking it on first call).
+    Worker processes forked after this call inherit the answer instead of each checking."""
+    return (_CROP_DECODER[0] if _CROP_DECODER else _load_crop_decoder()) is not None
+
+
+def use_crop_decoder(enabled: bool) -> bool:
+    """Switch `decode_jpeg_crop` on or off in this process (benchmarks compare the two); whether
+    it is on now (off when not built here or when its check failed)."""
+    _CROP_DECODER.clear()
+    if not enabled:
+        _CROP_DECODER.append(None)
+        return False
+    _CROP_DECODER.append(_checked_crop_decoder())
+    return _CROP_DECODER[0] is not None
+
+
+#: [] before first use, then [the crop decoder, or None when off]
+_CROP_DECODER: list[Any] = []
+
+
+def _load_crop_decoder() -> Any:
+    enabled = os.environ.get("SHARDLOADER_JPEG_CROP", "1").strip().lower() not in ("0", "false", "no", "off")
+    use_crop_decoder(enabled)
+    return _CROP_DECODER[0]
+
+
+def _checked_crop_decoder() -> Any:
+    """The C crop decoder if it is built and gives simplejpeg's pixels here, else None.
+
+    The check decodes boxes of small JPEGs (every chroma subsampling the decoder takes) both
+    ways: a libjpeg-turbo that decodes differently from simplejpeg's would change pixels, and
+    pixels never change silently (about 2 ms, once per process)."""
+    try:
+        from shardloader.transforms._jpegcrop import decode_crop
+    except ImportError:
+        return None
+    import simplejpeg
+
+    height, width = 45, 67  # not a multiple of any block size: edges are exercised
+    # a gradient with a hashed pattern on it (detail in every block, no RNG to set up)
+    pixel = np.arange(height * width * 3, dtype=np.uint64)
+    image = ((pixel * 2654435761 % 97) + pixel * 200 // pixel.size).astype(np.uint8).reshape(height, width, 3)
+    boxes = [(0, 0, height, width), (1, 17, 30, 33), (13, 1, 32, 66), (20, 40, 25, 27), (44, 66, 1, 1)]
+    for subsampling in ("444", "422", "420"):
+        data = simplejpeg.encode_jpeg(image, quality=90, colorspace="RGB", colorsubsampling=subsampling)
+        whole = simplejpeg.decode_jpeg(data, "RGB")
+        for top, left, h, w in boxes:
+            out = np.empty((h, w, 3), dtype=np.uint8)
+            if not decode_crop(data, height, width, top, left, h, w, out) or \
+                    not np.array_equal(out, whole[top:top + h, left:left + w]):
+                warnings.warn(
+                    "shardloader: the JPEG crop decoder gives other pixels than simplejpeg with "
+                    f"this libjpeg-turbo ({subsampling} subsampling, box {(top, left, h, w)}); it "
+                    "is off, images are decoded whole", RuntimeWarning, stacklevel=3)
+                return None
+    return decode_crop
 
 
 def _decode_opencv(view: memoryview, mode: str) -> np.ndarray | None:

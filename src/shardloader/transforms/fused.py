@@ -28,7 +28,13 @@ import numpy as np
 import torch
 
 from shardloader.transforms.base import Sample, Transform, get_field, opencv, with_field
-from shardloader.transforms.decode import decode_field, decode_jpeg, image_bytes, is_jpeg
+from shardloader.transforms.decode import (
+    decode_field,
+    decode_jpeg,
+    decode_jpeg_crop,
+    image_bytes,
+    is_jpeg,
+)
 from shardloader.transforms.geometry import (
     DEFAULT_ANTIALIAS_METHOD,
     check_antialias_method,
@@ -108,6 +114,12 @@ class DecodeCropFlip(Transform):
             **method_param(self.antialias, "cv2", self.antialias_method),
         }
 
+    @property
+    def _crop_decodable(self) -> bool:
+        """Whether `decode_jpeg_crop` can give this transform's pixels (it decodes as
+        simplejpeg does by default: RGB, accurate IDCT, fancy upsampling)."""
+        return self.mode == "RGB" and not self.fastdct and not self.fastupsample
+
     def reduction(self, crop_height: int, crop_width: int) -> int:
         """The largest power-of-two DCT reduction that keeps the reduced crop at least the output
         size divided by `max_upscale` (1: never upscale after a reduced decode)."""
@@ -164,6 +176,10 @@ class DecodeCropFlip(Transform):
         (top, left, h, w), flip = sample_crop_box_and_flip(
             height, width, self.scale, self.ratio, self.p, generator)
         k = self.reduction(h, w)
+        if k == 1 and self._crop_decodable:
+            crop = decode_jpeg_crop(data, height, width, top, left, h, w)
+            if crop is not None:
+                return crop, flip
         image = self._decode_jpeg(data, sample, k, height, width)
         if image.shape[:2] == (height, width):
             return image[top : top + h, left : left + w], flip
