@@ -24,7 +24,12 @@ from PIL import Image
 from shardloader.synthetic import make_image
 from shardloader.transforms import DecodeCropFlip, ImageDecodeError
 from shardloader.transforms import decode as decode_module
-from shardloader.transforms.decode import crop_decoder_on, decode_jpeg_crop, use_crop_decoder
+from shardloader.transforms.decode import (
+    crop_decoder_on,
+    decode_image,
+    decode_jpeg_crop,
+    use_crop_decoder,
+)
 
 try:
     from shardloader.transforms import _jpegcrop
@@ -38,7 +43,7 @@ needs_decoder = pytest.mark.skipif(_jpegcrop is None, reason="the JPEG crop deco
 def _crop_decoder_restored():
     """Each test starts with the decoder as the environment sets it, and leaves it so."""
     yield
-    decode_module._CROP_DECODER.clear()
+    decode_module._crop_decoder = decode_module._UNCHECKED
 
 
 def _boxes(height: int, width: int, rng: np.random.Generator, n: int) -> list[tuple[int, int, int, int]]:
@@ -117,10 +122,10 @@ def test_a_truncated_file_is_declined_even_when_the_crop_lies_before_the_cut():
 
 
 @needs_decoder
-def test_damaged_data_gives_the_lenient_whole_decodes_pixels_or_is_declined():
-    """Bytes changed anywhere in the entropy-coded data: where the decoder answers, it gives
-    what a lenient whole-image decode of the damaged file gives in the box (damage after the
-    box is not read; damage libjpeg reports in what it reads declines); it never crashes."""
+def test_damaged_data_gives_what_the_whole_image_decode_gives_or_is_declined():
+    """Bytes changed anywhere in the entropy-coded data: where the crop decoder answers, the
+    whole-image decode it stands in for (`decode_image`, simplejpeg then PIL) gives the same
+    pixels in the box, and never raises; the crop decoder never crashes."""
     data = simplejpeg.encode_jpeg(_image(200, 160, 4), quality=90, colorspace="RGB", colorsubsampling="420")
     start = data.index(b"\xff\xda")  # start of scan: the entropy-coded data follows
     rng = np.random.default_rng(9)
@@ -136,9 +141,22 @@ def test_damaged_data_gives_the_lenient_whole_decodes_pixels_or_is_declined():
             declined += 1
             continue
         answered += 1
-        lenient = simplejpeg.decode_jpeg(damaged, "RGB", strict=False)
-        assert np.array_equal(crop, lenient[top:top + h, left:left + w])
+        whole = decode_image(damaged, "RGB")  # raises ImageDecodeError if it cannot
+        assert np.array_equal(crop, whole[top:top + h, left:left + w])
     assert answered and declined  # both outcomes were exercised
+
+
+@needs_decoder
+def test_a_marker_after_the_crop_that_stops_a_whole_decode_is_declined():
+    """The rows after the crop are not decoded, but what would stop a whole decode there (a
+    marker in the middle of the data: PIL then raises "broken data stream") declines."""
+    data = simplejpeg.encode_jpeg(_image(200, 160, 4), quality=90, colorspace="RGB", colorsubsampling="420")
+    near_end = len(data) - 40
+    damaged = data[:near_end] + b"\xff\x39" + data[near_end + 2:]
+    assert decode_jpeg_crop(data, 200, 160, 0, 0, 16, 16) is not None
+    assert decode_jpeg_crop(damaged, 200, 160, 0, 0, 16, 16) is None
+    with pytest.raises(ImageDecodeError):
+        decode_image(damaged, "RGB")
 
 
 @needs_decoder

@@ -16,11 +16,13 @@
      IDCT, fancy upsampling, RGB); anything else declines;
    - one pixel more than asked is decoded on each side where the image has it: a pixel at
      the edge of a cropped region has no neighbour to upsample its chroma from, and differs;
-   - any libjpeg warning (damaged data in what was decoded) or error declines, and so does
-     data that does not end with the EOI marker (a truncated file: PIL, the fallback, refuses
-     those), so the image goes the way it always went. Data after the last row needed is
-     otherwise not read: a file whose entropy-coded data is damaged only there gives the
-     crop's pixels, as the fallback's lenient whole-image decode of it does.
+   - any libjpeg warning (damaged data in what was decoded) or error declines, and the image
+     goes the way it always went. The data after the last row needed is not decoded, but it
+     is scanned for what would stop a whole decode: it must hold no marker other than restart
+     markers in sequence, and end with the EOI marker (a truncated file: PIL, the fallback,
+     refuses those). Entropy-coded data damaged only after the crop's rows, and otherwise
+     intact, gives the crop's pixels, as the whole-image decode of it does (it reads it without
+     a warning, or leniently where simplejpeg warns).
    The GIL is released while decoding. */
 
 #define PY_SSIZE_T_CLEAN
@@ -67,6 +69,38 @@ static int eligible(const struct jpeg_decompress_struct *c, int height, int widt
     }
     int h = comp[0].h_samp_factor, v = comp[0].v_samp_factor;
     return (h == 1 && v == 1) || (h == 2 && v == 1) || (h == 2 && v == 2);
+}
+
+/* Whether the bytes [p, end) left after the rows decoded hold only entropy-coded data: every
+   0xFF is a stuffed 0xFF00, a fill byte, or a restart marker continuing the sequence of the
+   previous one. A whole decode would stop at any other marker (or warn at a restart out of
+   sequence); those images are left to it. `end` is where the final EOI marker starts. */
+static int rest_is_clean(const unsigned char *p, const unsigned char *end, int marker) {
+    int last_restart = -1;
+    if (marker != 0) { /* a marker libjpeg met reading ahead, not yet processed */
+        if (marker == 0xD9) return p == end + 2; /* only if it is the final one */
+        if (marker < 0xD0 || marker > 0xD7) return 0;
+        last_restart = marker - 0xD0;
+    }
+    while (p < end) {
+        const unsigned char *ff = memchr(p, 0xFF, (size_t)(end - p));
+        if (ff == NULL) return 1;
+        if (ff + 1 >= end) return 1; /* a fill byte right before the EOI marker */
+        unsigned char next = ff[1];
+        if (next == 0x00) {
+            p = ff + 2;
+        } else if (next == 0xFF) {
+            p = ff + 1;
+        } else if (next >= 0xD0 && next <= 0xD7) {
+            int n = next - 0xD0;
+            if (last_restart >= 0 && n != (last_restart + 1) % 8) return 0;
+            last_restart = n;
+            p = ff + 2;
+        } else {
+            return 0;
+        }
+    }
+    return 1;
 }
 
 /* 1: `out` holds the crop; 0: declined (`out` may hold anything). Runs without the GIL. */
@@ -125,7 +159,9 @@ static int decode_crop(const unsigned char *data, size_t size, int image_height,
         for (int k = 0; k < got; k++) memcpy(out + (size_t)(y + k) * line, rows[k] + skip, line);
         y += got;
     }
-    done = err.pub.num_warnings == 0;
+    const unsigned char *at = c.src->next_input_byte;
+    done = err.pub.num_warnings == 0 && at >= data && at <= data + size &&
+           rest_is_clean(at, data + size - 2, c.unread_marker);
 finish:
     jpeg_destroy_decompress(&c); /* also ends a decode stopped before its last row */
     free(block);

@@ -158,7 +158,7 @@ def decode_jpeg_crop(data: Any, image_height: int, image_width: int, top: int, l
     first use in a process its output is compared with simplejpeg's on JPEGs of every chroma
     subsampling it takes; any difference switches it off there, with a warning.
     `SHARDLOADER_JPEG_CROP=0` switches it off too."""
-    decoder = _CROP_DECODER[0] if _CROP_DECODER else _load_crop_decoder()
+    decoder = _crop_decoder if _crop_decoder is not _UNCHECKED else _load_crop_decoder()
     if decoder is None:
         return None
     out = np.empty((height, width, 3), dtype=np.uint8)
@@ -173,28 +173,27 @@ def decode_jpeg_crop(data: Any, image_height: int, image_width: int, top: int, l
 def crop_decoder_on() -> bool:
     """Whether `decode_jpeg_crop` decodes crops in this process (checking it on first call).
     Worker processes forked after this call inherit the answer instead of each checking."""
-    return (_CROP_DECODER[0] if _CROP_DECODER else _load_crop_decoder()) is not None
+    decoder = _crop_decoder if _crop_decoder is not _UNCHECKED else _load_crop_decoder()
+    return decoder is not None
 
 
 def use_crop_decoder(enabled: bool) -> bool:
     """Switch `decode_jpeg_crop` on or off in this process (benchmarks compare the two); whether
     it is on now (off when not built here or when its check failed)."""
-    _CROP_DECODER.clear()
-    if not enabled:
-        _CROP_DECODER.append(None)
-        return False
-    _CROP_DECODER.append(_checked_crop_decoder())
-    return _CROP_DECODER[0] is not None
+    global _crop_decoder
+    _crop_decoder = _checked_crop_decoder() if enabled else None
+    return _crop_decoder is not None
 
 
-#: [] before first use, then [the crop decoder, or None when off]
-_CROP_DECODER: list[Any] = []
+_UNCHECKED = object()
+#: The checked crop decoder; None when off. Two threads that both check first assign the same.
+_crop_decoder: Any = _UNCHECKED
 
 
 def _load_crop_decoder() -> Any:
     enabled = os.environ.get("SHARDLOADER_JPEG_CROP", "1").strip().lower() not in ("0", "false", "no", "off")
     use_crop_decoder(enabled)
-    return _CROP_DECODER[0]
+    return _crop_decoder
 
 
 def _checked_crop_decoder() -> Any:
