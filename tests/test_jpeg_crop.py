@@ -239,3 +239,17 @@ def test_the_environment_switches_it_off():
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_the_decoder_is_built_where_a_compiler_and_libjpeg_turbo_headers_are():
+    """The build of the extension is optional (a machine without them installs without it),
+    so a build that broke would only show as skipped tests; here it fails instead."""
+    import shutil
+    import sysconfig
+
+    headers = [os.path.join(d, "jpeglib.h") for d in ("/usr/include", "/usr/local/include")]
+    if not shutil.which((sysconfig.get_config_var("CC") or "cc").split()[0]) or \
+            not any(os.path.exists(h) for h in headers):
+        pytest.skip("no C compiler or no libjpeg headers here: the decoder is optional")
+    assert _jpegcrop is not None, "pip install built no shardloader.transforms._jpegcrop"
+    assert _jpegcrop.LIBJPEG_TURBO_VERSION_NUMBER >= 1005000  # jpeg_crop_scanline: 1.5
