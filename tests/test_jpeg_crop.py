@@ -171,7 +171,7 @@ def test_random_bytes_and_bad_arguments_never_crash():
     out = np.empty((8, 8, 3), np.uint8)
     with pytest.raises(ValueError, match="not inside the image"):
         decode_crop(good, 32, 32, 30, 0, 8, 8, out)
-    with pytest.raises(ValueError, match="height\\*width\\*3 bytes"):
+    with pytest.raises(ValueError, match="EXTRA_COLUMNS"):  # no room for the decoded rows
         decode_crop(good, 32, 32, 0, 0, 8, 7, out)
     with pytest.raises(TypeError):  # a strided view is not a writable contiguous buffer
         decode_crop(good, 32, 32, 0, 0, 4, 8, np.empty((8, 8, 3), np.uint8)[::2])
@@ -221,7 +221,7 @@ def test_a_decoder_that_disagrees_with_simplejpeg_is_switched_off_with_a_warning
 
     def off_by_one(*args):
         ok = real(*args)
-        args[-1][..., 0] ^= 1  # `out`, the last argument
+        args[-1][:] ^= 1  # `out`, the last argument
         return ok
 
     monkeypatch.setattr(_jpegcrop, "decode_crop", off_by_one)

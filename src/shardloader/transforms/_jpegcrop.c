@@ -39,10 +39,12 @@
 #error "shardloader.transforms._jpegcrop needs libjpeg-turbo (other libjpegs decode other pixels)"
 #endif
 
-/* Rows decoded per call into a scratch block, then copied out: copying each row right after
-   libjpeg's vector stores wrote it stalled on store forwarding (a whole-image decode took
-   207 us instead of 172). */
+/* Rows decoded per call (libjpeg hands out at most an iMCU row's worth). */
 #define BLOCK 16
+/* Columns `out` must have room for beyond the crop's: the pixel of context on each side, and
+   up to 15 on the left where libjpeg moves the region's edge to an iMCU boundary (16 pixels at
+   most for the subsamplings taken). */
+#define EXTRA_COLUMNS 18
 
 struct guard {
     struct jpeg_error_mgr pub;
@@ -103,12 +105,14 @@ static int rest_is_clean(const unsigned char *p, const unsigned char *end, int m
     return 1;
 }
 
-/* 1: `out` holds the crop; 0: declined (`out` may hold anything). Runs without the GIL. */
+/* 1: `out` holds the crop's rows, each `*stride` bytes apart, pixel (0, 0) at `*offset`;
+   0: declined (`out` may hold anything). `out` has room for height rows of width +
+   EXTRA_COLUMNS pixels. Runs without the GIL. */
 static int decode_crop(const unsigned char *data, size_t size, int image_height, int image_width,
-                       int top, int left, int height, int width, unsigned char *out) {
+                       int top, int left, int height, int width, unsigned char *out,
+                       size_t *offset, size_t *stride) {
     struct jpeg_decompress_struct c;
     struct guard err;
-    unsigned char *volatile block = NULL;
     volatile int done = 0;
 
     if (size < 4 || data[size - 2] != 0xFF || data[size - 1] != 0xD9) return 0;
@@ -117,7 +121,6 @@ static int decode_crop(const unsigned char *data, size_t size, int image_height,
     err.pub.emit_message = on_message;
     if (setjmp(err.jump)) {
         jpeg_destroy_decompress(&c);
-        free(block);
         return 0;
     }
     jpeg_create_decompress(&c);
@@ -142,21 +145,20 @@ static int decode_crop(const unsigned char *data, size_t size, int image_height,
         jpeg_crop_scanline(&c, &xoffset, &cropped);
     }
     if ((int)xoffset > left || (int)(xoffset + cropped) < left + width ||
-        c.output_width != cropped) {
+        c.output_width != cropped || (int)cropped > width + EXTRA_COLUMNS) {
         goto finish;
     }
-    size_t stride = (size_t)cropped * 3, skip = (size_t)(left - (int)xoffset) * 3;
-    size_t line = (size_t)width * 3;
-    block = malloc(stride * BLOCK);
-    if (block == NULL) goto finish;
-    JSAMPROW rows[BLOCK];
-    for (int k = 0; k < BLOCK; k++) rows[k] = block + (size_t)k * stride;
+    /* The decoded rows go straight into `out`, `cropped` pixels each: the caller views the
+       crop inside them (no copy). */
+    *stride = (size_t)cropped * 3;
+    *offset = (size_t)(left - (int)xoffset) * 3;
     if (top > 0 && jpeg_skip_scanlines(&c, (JDIMENSION)top) != (JDIMENSION)top) goto finish;
     for (int y = 0; y < height;) {
+        JSAMPROW rows[BLOCK];
         int want = height - y < BLOCK ? height - y : BLOCK;
+        for (int k = 0; k < want; k++) rows[k] = out + (size_t)(y + k) * *stride;
         int got = (int)jpeg_read_scanlines(&c, rows, (JDIMENSION)want);
         if (got <= 0) goto finish;
-        for (int k = 0; k < got; k++) memcpy(out + (size_t)(y + k) * line, rows[k] + skip, line);
         y += got;
     }
     const unsigned char *at = c.src->next_input_byte;
@@ -164,17 +166,17 @@ static int decode_crop(const unsigned char *data, size_t size, int image_height,
            rest_is_clean(at, data + size - 2, c.unread_marker);
 finish:
     jpeg_destroy_decompress(&c); /* also ends a decode stopped before its last row */
-    free(block);
     return done;
 }
 
 PyDoc_STRVAR(decode_crop_doc,
-"decode_crop(data, image_height, image_width, top, left, height, width, out) -> bool\n\n"
-"Write the RGB pixels [top:top+height, left:left+width] of the JPEG `data` (whose header\n"
-"says image_height x image_width) into `out`, a writable C-contiguous buffer of exactly\n"
-"height*width*3 bytes, and return True; or return False, `out` then undefined, when the\n"
-"image is not one this decoder takes or libjpeg reports anything (the caller then decodes\n"
-"the whole image its usual way).");
+"decode_crop(data, image_height, image_width, top, left, height, width, out)\n"
+"    -> (offset, stride) | None\n\n"
+"Decode the RGB pixels [top:top+height, left:left+width] of the JPEG `data` (whose header\n"
+"says image_height x image_width) into `out`, a writable C-contiguous buffer of at least\n"
+"height * (width + EXTRA_COLUMNS) * 3 bytes: row y of the crop starts at byte offset +\n"
+"y * stride. None, `out` then undefined, when the image is not one this decoder takes or\n"
+"libjpeg reports anything (the caller then decodes the whole image its usual way).");
 
 static PyObject *py_decode_crop(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_buffer data, out;
@@ -184,23 +186,26 @@ static PyObject *py_decode_crop(PyObject *Py_UNUSED(self), PyObject *args) {
         return NULL;
     }
     int ok = 0;
+    size_t offset = 0, stride = 0;
     if (image_height <= 0 || image_width <= 0 || height <= 0 || width <= 0 || top < 0 ||
         left < 0 || top > image_height - height || left > image_width - width) {
         PyErr_SetString(PyExc_ValueError, "decode_crop: the box is not inside the image");
     } else if (!PyBuffer_IsContiguous(&out, 'C') ||
-               out.len != (Py_ssize_t)height * (Py_ssize_t)width * 3) {
-        PyErr_SetString(PyExc_ValueError,
-                        "decode_crop: out must be C-contiguous and hold height*width*3 bytes");
+               out.len < (Py_ssize_t)height * ((Py_ssize_t)width + EXTRA_COLUMNS) * 3) {
+        PyErr_SetString(PyExc_ValueError, "decode_crop: out must be C-contiguous and hold "
+                        "height * (width + EXTRA_COLUMNS) * 3 bytes");
     } else {
         Py_BEGIN_ALLOW_THREADS
         ok = decode_crop((const unsigned char *)data.buf, (size_t)data.len, image_height,
-                         image_width, top, left, height, width, (unsigned char *)out.buf);
+                         image_width, top, left, height, width, (unsigned char *)out.buf,
+                         &offset, &stride);
         Py_END_ALLOW_THREADS
     }
     PyBuffer_Release(&data);
     PyBuffer_Release(&out);
     if (PyErr_Occurred()) return NULL;
-    return PyBool_FromLong(ok);
+    if (!ok) Py_RETURN_NONE;
+    return Py_BuildValue("(nn)", (Py_ssize_t)offset, (Py_ssize_t)stride);
 }
 
 static PyMethodDef methods[] = {
@@ -216,8 +221,9 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__jpegcrop(void) {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "LIBJPEG_TURBO_VERSION_NUMBER",
-                                             LIBJPEG_TURBO_VERSION_NUMBER) < 0) {
+    if (m != NULL && (PyModule_AddIntConstant(m, "LIBJPEG_TURBO_VERSION_NUMBER",
+                                              LIBJPEG_TURBO_VERSION_NUMBER) < 0 ||
+                      PyModule_AddIntConstant(m, "EXTRA_COLUMNS", EXTRA_COLUMNS) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

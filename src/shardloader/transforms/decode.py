@@ -161,13 +161,27 @@ def decode_jpeg_crop(data: Any, image_height: int, image_width: int, top: int, l
     decoder = _crop_decoder if _crop_decoder is not _UNCHECKED else _load_crop_decoder()
     if decoder is None:
         return None
-    out = np.empty((height, width, 3), dtype=np.uint8)
+    return _crop_view(decoder, data, image_height, image_width, top, left, height, width)
+
+
+def _crop_view(decoder: Any, data: Any, image_height: int, image_width: int, top: int, left: int,
+               height: int, width: int) -> np.ndarray | None:
+    """`decoder`'s crop as a view of the rows it decoded (they hold a few more columns than
+    the crop: no copy of the pixels), or None when it declines."""
+    out = np.empty(height * (width + _EXTRA_COLUMNS) * 3, dtype=np.uint8)
     try:
-        if decoder(data, image_height, image_width, top, left, height, width, out):
-            return out
+        where = decoder(data, image_height, image_width, top, left, height, width, out)
     except (TypeError, ValueError, BufferError):  # a buffer it cannot take: decode it whole
-        pass
-    return None
+        return None
+    if where is None:
+        return None
+    offset, stride = where
+    return np.ndarray((height, width, 3), dtype=np.uint8, buffer=out, offset=offset,
+                      strides=(stride, 3, 1))
+
+
+#: The columns beyond a crop's that the crop decoder needs room for (its C source says why).
+_EXTRA_COLUMNS = 18
 
 
 def crop_decoder_on() -> bool:
@@ -203,8 +217,10 @@ def _checked_crop_decoder() -> Any:
     ways: a libjpeg-turbo that decodes differently from simplejpeg's would change pixels, and
     pixels never change silently (about 2 ms, once per process)."""
     try:
-        from shardloader.transforms._jpegcrop import decode_crop
+        from shardloader.transforms._jpegcrop import EXTRA_COLUMNS, decode_crop
     except ImportError:
+        return None
+    if EXTRA_COLUMNS != _EXTRA_COLUMNS:  # a stale build of another version
         return None
     import simplejpeg
 
@@ -217,9 +233,8 @@ def _checked_crop_decoder() -> Any:
         data = simplejpeg.encode_jpeg(image, quality=90, colorspace="RGB", colorsubsampling=subsampling)
         whole = simplejpeg.decode_jpeg(data, "RGB")
         for top, left, h, w in boxes:
-            out = np.empty((h, w, 3), dtype=np.uint8)
-            if not decode_crop(data, height, width, top, left, h, w, out) or \
-                    not np.array_equal(out, whole[top:top + h, left:left + w]):
+            crop = _crop_view(decode_crop, data, height, width, top, left, h, w)
+            if crop is None or not np.array_equal(crop, whole[top:top + h, left:left + w]):
                 warnings.warn(
                     "shardloader: the JPEG crop decoder gives other pixels than simplejpeg with "
                     f"this libjpeg-turbo ({subsampling} subsampling, box {(top, left, h, w)}); it "
