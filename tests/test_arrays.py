@@ -10,15 +10,16 @@ import pytest
 
 from shardloader.arrays import positions_by_value, sorted_unique
 
-
-@pytest.mark.parametrize("values", [
+ONE_DIMENSIONAL = [
     np.array([], dtype=np.int64),
     np.array([7], dtype=np.int64),
     np.array([5, 1, 5, 2, 1, 9, 9, 0], dtype=np.int64),
     np.arange(50)[::-1].copy(),
     np.array([3, 3, 3], dtype=np.int32),
-    np.array([[4, 1], [4, 2]]),
-])
+]
+
+
+@pytest.mark.parametrize("values", [*ONE_DIMENSIONAL, np.array([[4, 1], [4, 2]])])
 def test_sorted_unique_is_numpys_unique(values):
     got = sorted_unique(values)
     want = np.unique(values)
@@ -27,11 +28,7 @@ def test_sorted_unique_is_numpys_unique(values):
 
 
 @pytest.mark.parametrize("values", [
-    np.array([], dtype=np.int64),
-    np.array([7], dtype=np.int64),
-    np.array([5, 1, 5, 2, 1, 9, 9, 0], dtype=np.int64),
-    np.arange(50)[::-1].copy(),
-    np.array([3, 3, 3], dtype=np.int32),
+    *ONE_DIMENSIONAL,
     np.random.default_rng(0).integers(0, 13, size=64),  # a batch's shards
     np.random.default_rng(1).integers(0, 3, size=1000),
 ])
