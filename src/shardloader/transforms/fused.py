@@ -161,9 +161,10 @@ class DecodeCropFlip(Transform):
                 np.copyto(dst, out)
 
     def _crop(self, sample: Sample, generator: torch.Generator | None) -> tuple[np.ndarray, bool]:
-        """The crop to resize (a view of the decoded, possibly DCT-reduced image) and whether
-        to flip, drawn as `Compose([DecodeImage(), RandomResizedCrop, RandomHorizontalFlip])`
-        draws them."""
+        """The crop to resize (a view of the decoded, possibly DCT-reduced image; or of just
+        the crop's rows, where the JPEG crop decoder takes the image: the same pixels) and
+        whether to flip, drawn as `Compose([DecodeImage(), RandomResizedCrop,
+        RandomHorizontalFlip])` draws them."""
         data = image_bytes(get_field(sample, self.field, "DecodeCropFlip"), sample, self.field)
         header = _jpeg_size(data) if self.mode in ("RGB", "L") else None
         if header is None:  # not a JPEG (or not one simplejpeg reads): decode, then crop
