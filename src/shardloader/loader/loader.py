@@ -585,15 +585,21 @@ class _EpochIterator:
         loader = self.loader
         if loader._stats is None and loader.telemetry is None:
             return
-        global _BatchRecord
-        if _BatchRecord is None:
-            from shardloader.telemetry.records import BatchRecord as _BatchRecord
         hits, misses, downloaded = timings.cache_hits, timings.cache_misses, timings.bytes_downloaded
         if self._counts_locally:
             local = self._local_counter_delta()
             hits += int(local.get("cache_hits", 0))
             misses += int(local.get("cache_misses", 0))
             downloaded += int(local.get("bytes_downloaded", 0))
+        if loader.telemetry is None:  # the summary alone: no record to build
+            loader._stats.add_batch(
+                self.epoch * self.steps + task.step + 1, task.size, task.padded, fetch_seconds,
+                time.time(), timings.read_seconds, timings.transform_seconds,
+                timings.download_wait_seconds, queue_depth, hits, misses, downloaded)
+            return
+        global _BatchRecord
+        if _BatchRecord is None:
+            from shardloader.telemetry.records import BatchRecord as _BatchRecord
         record = _BatchRecord(
             step=self.epoch * self.steps + task.step + 1, epoch=self.epoch, rank=loader.rank,
             samples=task.size, fetch_seconds=fetch_seconds, time=time.time(),
