@@ -6,7 +6,7 @@
    above it (jpeg_skip_scanlines) and of the columns beside it (jpeg_crop_scanline); none of
    those libraries exposes that. Measured on the benchmark's 128-256 px JPEGs (2-core
    machine): a whole decode 154 us, the crop 116 us, pixels identical to simplejpeg's in
-   60,000 random crops.
+   60,000 random crops; the Loader's fast path +13-15% samples/s.
 
    The output must equal `simplejpeg.decode_jpeg(data, "RGB")[top:top+height,
    left:left+width]` exactly, or this function must decline (return False) so that the
