@@ -205,8 +205,6 @@ class Dataset:
         """Rows of `shard`. A reader whose file changed in place since it was opened is dropped
         and the shard opened again once (verifying the file anew), so the rows come from a file
         that matches the index or the call raises a ShardError naming it."""
-        if os.getpid() != self._pid:
-            self._reset_process_state()
         decode = bool(self._tar_decode) and self.index.shards[shard].format == "tar"
         for attempt in range(2):
             # `_acquire`/`_release` rather than `with self._using(...)`: this runs once per shard
@@ -248,8 +246,6 @@ class Dataset:
     @contextlib.contextmanager
     def _using(self, shard: int) -> Iterator[ShardReader]:
         """The reader of `shard`, protected from LRU closing while the block runs."""
-        if os.getpid() != self._pid:
-            self._reset_process_state()
         reader = self._acquire(shard)
         try:
             yield reader
@@ -265,6 +261,10 @@ class Dataset:
             self._close_idle_over_limit()
 
     def _acquire(self, shard: int) -> ShardReader:
+        """The reader of `shard`, opened if needed, marked in use (undo with `_release`); a
+        forked process first drops the readers it inherited."""
+        if os.getpid() != self._pid:
+            self._reset_process_state()
         with self._readers_lock:
             reader = self._readers.get(shard)
             if reader is not None:
