@@ -158,7 +158,7 @@ def decode_jpeg_crop(data: Any, image_height: int, image_width: int, top: int, l
     first use in a process its output is compared with simplejpeg's on JPEGs of every chroma
     subsampling it takes; any difference switches it off there, with a warning.
     `SHARDLOADER_JPEG_CROP=0` switches it off too."""
-    decoder = _crop_decoder if _crop_decoder is not _UNCHECKED else _load_crop_decoder()
+    decoder = _current_crop_decoder()
     if decoder is None:
         return None
     return _crop_view(decoder, data, image_height, image_width, top, left, height, width)
@@ -187,8 +187,7 @@ _EXTRA_COLUMNS = 18
 def crop_decoder_on() -> bool:
     """Whether `decode_jpeg_crop` decodes crops in this process (checking it on first call).
     Worker processes forked after this call inherit the answer instead of each checking."""
-    decoder = _crop_decoder if _crop_decoder is not _UNCHECKED else _load_crop_decoder()
-    return decoder is not None
+    return _current_crop_decoder() is not None
 
 
 def use_crop_decoder(enabled: bool) -> bool:
@@ -204,9 +203,11 @@ _UNCHECKED = object()
 _crop_decoder: Any = _UNCHECKED
 
 
-def _load_crop_decoder() -> Any:
-    enabled = os.environ.get("SHARDLOADER_JPEG_CROP", "1").strip().lower() not in ("0", "false", "no", "off")
-    use_crop_decoder(enabled)
+def _current_crop_decoder() -> Any:
+    """The crop decoder in use here (None: off), chosen and checked on the first call."""
+    if _crop_decoder is _UNCHECKED:
+        enabled = os.environ.get("SHARDLOADER_JPEG_CROP", "1").strip().lower() not in ("0", "false", "no", "off")
+        use_crop_decoder(enabled)
     return _crop_decoder
 
 
