@@ -591,18 +591,19 @@ class _EpochIterator:
             hits += int(local.get("cache_hits", 0))
             misses += int(local.get("cache_misses", 0))
             downloaded += int(local.get("bytes_downloaded", 0))
+        step, delivered = self.epoch * self.steps + task.step + 1, time.time()
         if loader.telemetry is None:  # the summary alone: no record to build
             loader._stats.add_batch(
-                self.epoch * self.steps + task.step + 1, task.size, task.padded, fetch_seconds,
-                time.time(), timings.read_seconds, timings.transform_seconds,
-                timings.download_wait_seconds, queue_depth, hits, misses, downloaded)
+                step, task.size, task.padded, fetch_seconds, delivered, timings.read_seconds,
+                timings.transform_seconds, timings.download_wait_seconds, queue_depth, hits,
+                misses, downloaded)
             return
         global _BatchRecord
         if _BatchRecord is None:
             from shardloader.telemetry.records import BatchRecord as _BatchRecord
         record = _BatchRecord(
-            step=self.epoch * self.steps + task.step + 1, epoch=self.epoch, rank=loader.rank,
-            samples=task.size, fetch_seconds=fetch_seconds, time=time.time(),
+            step=step, epoch=self.epoch, rank=loader.rank,
+            samples=task.size, fetch_seconds=fetch_seconds, time=delivered,
             read_seconds=timings.read_seconds, transform_seconds=timings.transform_seconds,
             download_wait_seconds=timings.download_wait_seconds, queue_depth=queue_depth,
             cache_hits=hits, cache_misses=misses, bytes_downloaded=downloaded, padded=task.padded,
