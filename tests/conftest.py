@@ -4,4 +4,5 @@ pytest_plugins = [
     "tests.fixtures.data",
     "tests.fixtures.servers",
     "tests.fixtures.mlflow",
+    "tests.fixtures.runtime",
 ]

@@ -19,15 +19,6 @@ def dataset_dir(tmp_path_factory):
     return str(out)
 
 
-@pytest.fixture
-def gc_enabled():
-    was = gc.isenabled()
-    gc.enable()
-    yield
-    if not was:
-        gc.disable()
-
-
 def test_paused_gc_restores_the_collector_also_on_errors(gc_enabled):
     with paused_gc():
         assert not gc.isenabled()
