@@ -3,6 +3,7 @@ slots that carry their batches are reused, also across abandoned iterations."""
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -46,6 +47,49 @@ def test_process_workers_run_at_a_lower_priority_than_the_loader(dataset_dir):
             assert os.getpriority(os.PRIO_PROCESS, pid) > mine
     finally:
         loader.close()
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def cyclic_garbage(sample):
+    """Leaves 1 MB behind in a ring of 50 lists, which only the garbage collector frees (as a
+    caught exception's traceback, or many libraries' objects, would); reports the worker."""
+    ring = [[] for _ in range(50)]
+    for node, following in zip(ring, ring[1:] + ring[:1]):
+        node.append(following)
+    ring[0].append(bytearray(1 << 20))
+    return {"pid": os.getpid(), "collecting": gc.isenabled(), "resident": _resident_bytes()}
+
+
+def test_workers_collect_cyclic_garbage(dataset_dir, gc_enabled):
+    """Workers fork while the loader starts, with the collector paused (loader.startup); they
+    must switch it back on, or each of these 300 samples' 1 MB would stay in its worker."""
+    loader = make(dataset_dir, transform=cyclic_garbage, shuffle=False)
+    try:
+        batches = list(loader)
+    finally:
+        loader.close()
+    pids = torch.cat([b["pid"] for b in batches])
+    resident = torch.cat([b["resident"] for b in batches])
+    assert len(set(pids.tolist())) == 2 and os.getpid() not in pids.tolist()
+    assert all(bool(b["collecting"].all()) for b in batches)
+    for pid in set(pids.tolist()):
+        mine = resident[pids == pid]
+        growth = int(mine.max() - mine[0])
+        assert growth < 64 << 20, f"worker {pid} grew by {growth >> 20} MB over {len(mine)} samples"
+
+
+def test_workers_leave_the_collector_off_where_the_application_switched_it_off(dataset_dir, gc_enabled):
+    loader = make(dataset_dir, transform=cyclic_garbage, persistent_workers=False)
+    gc.disable()  # gc_enabled puts it back
+    try:
+        batches = list(loader)
+    finally:
+        loader.close()
+    assert not any(bool(b["collecting"].any()) for b in batches)
 
 
 def test_abandoned_iterations_give_their_slots_back(dataset_dir):

@@ -23,11 +23,8 @@ import concurrent.futures
 import dataclasses
 import operator
 import os
-import pickle
 import queue
-import select
 import signal
-import struct
 import threading
 import time
 import traceback
@@ -40,7 +37,9 @@ import torch.multiprocessing as torch_mp
 from shardloader.child_process import die_with_parent, started_from_main_thread
 from shardloader.errors import WorkerError
 from shardloader.loader.batches import BatchProducer, BatchTask, BatchTimings
+from shardloader.loader.frames import ATOMIC_BYTES, frame
 from shardloader.loader.slots import LEND_PER_WORKER, SlotReader, SlotWriter
+from shardloader.loader.startup import collect_in_forked_worker
 
 Result = tuple[Any, BatchTimings]
 _POLL_SECONDS = 0.2
@@ -145,6 +144,7 @@ def _worker_main(worker_id: int, producer: BatchProducer, tasks: Any, results: A
     # parent-death signal is only armed when the pool was made on the parent's main thread
     # (see shardloader.child_process); parent-pid polling covers every case.
     die_with_parent(parent_pid, use_signal=use_signal)
+    collect_in_forked_worker()
     _close_inherited_ends(tasks, results, returned_slots)
     # Ctrl-C goes to the main process, which shuts workers down; workers must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -199,24 +199,10 @@ def _close_inherited_ends(tasks: Any, results: Any, returned_slots: Any) -> None
                     pass
 
 
-#: The length header `multiprocessing.connection.Connection.send_bytes` puts before a message
-#: and `recv_bytes` (behind the worker's `SimpleQueue.get`) reads (tests/test_workers.py pins
-#: this: a frame written here is read back by `SimpleQueue.get`).
-_FRAME_HEADER = struct.Struct("!i")
-
-
 def _task_frame(task: BatchTask) -> bytes:
-    """`task` as one message for the worker's task queue: a pickled tuple, framed as
-    `Connection.send_bytes` frames it.
-
-    Why not `SimpleQueue.put(task)`: on the training thread, inside next(), with the CPU caches
-    cold from the step's own work, put() took 140-170 us per task (multiprocessing's pickler
-    set-up, the dataclass's reduce protocol, the queue's lock) against 30-55 us for this and
-    one `os.write` (measured on the 2-core machine, 10 ms between tasks; a write that wakes the
-    worker is ~20 us of that). The frame is far below PIPE_BUF, so the write is atomic: it
-    never interleaves with another writer's message and needs no lock."""
-    payload = pickle.dumps(_task_values(task), protocol=pickle.HIGHEST_PROTOCOL)
-    return _FRAME_HEADER.pack(len(payload)) + payload
+    """`task` as one message for the worker's task queue (see `shardloader.loader.frames`):
+    a tuple of its fields, which unpickles faster than the dataclass."""
+    return frame(_task_values(task))
 
 
 #: A BatchTask's field values, in field order: what travels (the worker rebuilds the task
@@ -259,8 +245,9 @@ class ProcessPool:
 
     A receiver thread takes results off the queue as they arrive and unpacks their batches
     (views of the workers' slots), so that `get` usually finds its batch ready: the caller's
-    thread (the training loop) does not pay for unpickling inside next(). It also sends the
-    slots of batches the training loop has dropped back to their workers.
+    thread (the training loop) does not pay for unpickling inside next(). Slots of batches the
+    training loop has dropped go back to their workers from `get` and, while the loop does not
+    ask for batches, from the receiver.
     """
 
     def __init__(self, producer: BatchProducer, num_workers: int, *, context: str | None = None,
@@ -311,9 +298,9 @@ class ProcessPool:
         self._next_worker = (self._next_worker + 1) % len(self._workers)
         with self._cond:
             self._assigned[task.task_id] = worker_id
-        frame = _task_frame(task)
-        if len(frame) <= select.PIPE_BUF:  # one atomic write (see `_task_frame`)
-            os.write(self._task_queues[worker_id]._writer.fileno(), frame)
+        message = _task_frame(task)
+        if len(message) <= ATOMIC_BYTES:  # one atomic write (see `shardloader.loader.frames`)
+            os.write(self._task_queues[worker_id]._writer.fileno(), message)
         else:  # a task that carries its samples and many of them: the queue's own framing
             self._task_queues[worker_id].put(_task_values(task))
 
@@ -359,6 +346,9 @@ class ProcessPool:
                 )
 
     def get(self, task_id: int) -> Result:
+        # Slots of the batches the training loop dropped since the last call go home now,
+        # before it waits: their workers reuse them for their next batch (see SlotReader).
+        self._slots.give_back_freed()
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._cond:
             while task_id not in self._done:
@@ -417,13 +407,13 @@ class ProcessPool:
             _join_all(alive, time.monotonic() + grace)
         if self._receiver is not threading.current_thread() and self._receiver.is_alive():
             self._receiver.join(max(0.0, min(2 * _POLL_SECONDS, deadline - time.monotonic())) or 0.01)
+        self._slots.clear()  # before the pipes close: no slot is sent back from now on
         self._results.close()
         for q in (*self._task_queues, *self._slot_returns):
             try:
                 q.close()
             except (OSError, ValueError):
                 pass
-        self._slots.clear()
         with self._cond:
             self._done.clear()
             self._assigned.clear()
