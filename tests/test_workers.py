@@ -144,6 +144,23 @@ def test_a_loop_that_drops_its_batches_reuses_a_few_slots(dataset_dir):
         loader.close()
 
 
+@pytest.mark.parametrize("body_seconds", [0.0, 0.02])
+def test_a_worker_keeps_three_slots_for_a_loop_that_drops_each_batch(dataset_dir, body_seconds):
+    """With prefetch_factor=2 a worker's batches are: one being made, one waiting, the one the
+    loop holds. The slot of the one before goes back when the loop asks for its next batch,
+    before the task that reuses it is submitted; a fourth slot per worker would mean it went
+    back late. Also with a loop body slower than the workers (every batch then waits)."""
+    loader = make(dataset_dir, prefetch_factor=2)
+    try:
+        for batch in loader:
+            batch["crop"].add_(1)
+            time.sleep(body_seconds)  # the training step: no synchronisation is involved
+        made = [worker for worker, _ in loader._pool._slots._slots]
+        assert max(made.count(0), made.count(1)) <= 3, made
+    finally:
+        loader.close()
+
+
 def test_batches_waiting_in_a_deep_prefetch_are_lent_not_copied(dataset_dir, monkeypatch):
     """Batches waiting to be taken are lent too: with prefetch_factor=6 all of them can wait
     at once, and none may fall back to the copy meant for scripts that keep every batch."""

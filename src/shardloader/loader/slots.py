@@ -261,15 +261,17 @@ class SlotReader:
         finally:
             self._send(worker, packed.slot)
 
-    def _send(self, worker: int, slot: int, was_lent: bool = False) -> None:
-        """Give `slot` back to `worker` (one atomic pipe write, see `shardloader.loader.frames`);
-        nothing is sent once closed. Under the lock, so that `clear` never closes the pipes
-        between the check and the write."""
+    def _send(self, worker: int, slot: int) -> None:
+        """Give `slot` back to `worker`."""
         with self._lock:
-            if was_lent:
-                self._lent[worker] -= 1
-            if not self._closed:
-                os.write(self._returns[worker]._writer.fileno(), frame(slot))
+            self._write(worker, slot)
+
+    def _write(self, worker: int, slot: int) -> None:
+        """One atomic pipe write (see `shardloader.loader.frames`); nothing once closed. The
+        caller holds the lock, so that `clear` never closes the pipes between the check and
+        the write."""
+        if not self._closed:
+            os.write(self._returns[worker]._writer.fileno(), frame(slot))
 
     def _lend(self, worker: int, packed: Packed, buffer: np.ndarray) -> list[torch.Tensor]:
         """The batch's tensors as views of the slot, each with a storage of exactly its bytes.
@@ -300,13 +302,16 @@ class SlotReader:
         return tensors
 
     def give_back_freed(self) -> None:
-        """Send the slots whose tensors are all gone back to their workers (either thread)."""
-        while self._freed:
-            try:
+        """Send the slots whose tensors are all gone back to their workers (either thread).
+
+        Under the lock throughout: when it returns, every slot freed before the call is in its
+        worker's pipe, also one the other thread had taken off the deque and was still sending.
+        So a task submitted after it finds the slot there (one worker's three slots rely on it)."""
+        with self._lock:
+            while self._freed:
                 worker, slot = self._freed.popleft()
-            except IndexError:  # the other thread took the last one
-                return
-            self._send(worker, slot, was_lent=True)
+                self._lent[worker] -= 1
+                self._write(worker, slot)
 
     def clear(self) -> None:
         """Forget the slots and send nothing more (the pool is closing; call it before the
