@@ -23,10 +23,11 @@ Figures and how each is measured (all in this one run):
   fraction of that.
 * stall at 80%: a consumer that works (sleeps) 1.25x each loader's measured per-batch time;
   time waiting in next() / wall time (`peers.StallTest`, loaders taking turns in chunks, each
-  left alone 0.3 s unmeasured after its warm-up and after each chunk).
-* isolated runs, one fresh process per loader (`--repeats` of them): construction to first
-  batch ("first batch, local"; the library is imported before the clock starts, FFCV's JIT
-  compilation is inside it); in the first repeat the process then finishes that epoch and runs
+  left alone 0.3 s unmeasured after its warm-up and after each chunk); the median of
+  `--repeats` passes, each with fresh loaders.
+* isolated runs, one fresh process per loader (`--repeats` of them, medians): construction to
+  first batch ("first batch, local"; the library is imported before the clock starts, FFCV's JIT
+  compilation is inside it); the process then finishes that epoch and runs
   one more, whose CPU seconds summed over the process tree (main + workers, utime + stime from
   /proc) give CPU per 1k samples; this process samples the child's tree every 20 ms for peak
   RSS and PSS (`benchmarks/_measure.py`).
@@ -220,7 +221,7 @@ def limit(blobs: list[bytes], antialias: bool, whole: bool = False) -> float:
 
 def in_process(images: ImageSet, columns: list[str], rounds: int, stall_batches: int,
                limit_samples: int, why: dict[tuple[str, str], str],
-               log: Callable[[str], None]) -> dict[str, Any]:
+               log: Callable[[str], None], stall_passes: int = 1) -> dict[str, Any]:
     """Throughput rounds with the limit measured in each, then stalls. Returns the raw figures;
     a loader that fails is reported in `why` (and left out from then on), never fatal."""
 
@@ -266,27 +267,38 @@ def in_process(images: ImageSet, columns: list[str], rounds: int, stall_batches:
         attempt((x.column, x.work), lambda x=x: x.peer.close(x.loader))
         x.loader = None
     live = [x for x in live if (x.column, x.work) not in why]
-    # stalls at 80% of each loader's measured rate, loaders taking turns chunk by chunk
-    tests = []
     for x in live:
         x.result.rate = statistics.median(x.rates)
-        key = (x.column, "stall" if x.work == "fast" else "stall-pil")
-        ok, test = attempt(key, lambda x=x: peers.StallTest(x.peer, x.result, images.n,
-                                                             stall_batches))
-        if ok:
-            tests.append((x, key, test))
-    while any(t.left > 0 for _, _, t in tests):
-        for _, key, t in tests:
-            if t.left > 0 and not attempt(key, t.chunk)[0]:
-                t.left = 0
-    stalls = {}
-    for x, key, t in tests:
-        if attempt(key, t.finish)[0] and key not in why:
-            stalls[x.column, x.work] = t.result.stall
-            log(f"  {x.result.name}: stall {t.result.stall:.1%} at 80% load")
+    # stalls at 80% of each loader's measured rate, loaders taking turns chunk by chunk; the
+    # figure is the median of `stall_passes` passes, each with fresh loaders (one pass's stall
+    # moved by 1-3 points between runs: a few late batches decide it)
+    stalls: dict[tuple[str, str], list[float]] = {}
+    for _ in range(stall_passes):
+        tests = []
+        for x in live:
+            key = (x.column, "stall" if x.work == "fast" else "stall-pil")
+            if key in why:
+                continue
+            ok, test = attempt(key, lambda x=x: peers.StallTest(x.peer, x.result, images.n,
+                                                                 stall_batches))
+            if ok:
+                tests.append((x, key, test))
+        while any(t.left > 0 for _, _, t in tests):
+            for _, key, t in tests:
+                if t.left > 0 and not attempt(key, t.chunk)[0]:
+                    t.left = 0
+        for x, key, t in tests:
+            if attempt(key, t.finish)[0] and key not in why:
+                stalls.setdefault((x.column, x.work), []).append(t.result.stall)
+    for x in live:
+        passes = stalls.get((x.column, x.work))
+        if passes:
+            log(f"  {x.result.name}: stall {statistics.median(passes):.1%} at 80% load "
+                f"(passes: {', '.join(f'{v:.1%}' for v in passes)})")
     return {"cores": cores, "limits": limits,
             "rates": {f"{x.column}|{x.work}": x.rates for x in live},
-            "stalls": {f"{c}|{w}": s for (c, w), s in stalls.items()}}
+            "stall_passes": {f"{c}|{w}": v for (c, w), v in stalls.items()},
+            "stalls": {f"{c}|{w}": statistics.median(v) for (c, w), v in stalls.items()}}
 
 
 # -- in fresh processes: first batch, CPU, memory, cold start ----------------------------------
@@ -361,28 +373,29 @@ def _last_error(stderr: str) -> str:
 
 def isolated(images: ImageSet, columns: list[str], repeats: int, why: dict[tuple[str, str], str],
              log: Callable[[str], None]) -> dict[str, Any]:
-    """Per loader: first batch in fresh processes (median of `repeats`), and from the first of
-    them CPU per sample and peak RSS/PSS."""
-    out: dict[str, Any] = {}
+    """Per loader, in `repeats` fresh processes each: the first batch, then CPU per sample and
+    peak RSS/PSS over two epochs. Each figure is the median of the repeats (the repeats' values
+    are kept under "runs"): one run's peak RSS moved by a few MB, as much as the difference
+    between the loaders it was to decide."""
+    runs: dict[str, dict[str, list[float]]] = {}
     todo = [c for c in columns if "fast" in CONTENDERS[c].works and (c, "fast") not in why]
-    for r in range(repeats):
+    keys = ("ttfb", "cpu_per_sample", "rss", "pss", "pss_anon")
+    for _ in range(repeats):
         for column in todo:
             try:
-                got = run_child({"column": column, "n": images.n, "epochs": r == 0},
-                                memory=r == 0)
+                got = run_child({"column": column, "n": images.n, "epochs": True}, memory=True)
             except Exception as e:  # noqa: BLE001
                 why.setdefault((column, "isolated"), f"failed: {e}")
                 continue
-            entry = out.setdefault(column, {"ttfb": []})
-            entry["ttfb"].append(got["ttfb"])
-            if r == 0:
-                entry.update({k: got[k] for k in ("cpu_per_sample", "rss", "pss", "pss_anon",
-                                                  "processes")})
-            log(f"  {column}: first batch {got['ttfb']:.2f} s" + (
-                f", {got['cpu_per_sample'] * 1000:.2f} CPU s / 1k samples, peak RSS "
-                f"{got['rss'] / MB:,.0f} MB, PSS {got['pss'] / MB:,.0f} MB (anonymous "
-                f"{got['pss_anon'] / MB:,.0f} MB) over "
-                f"{got['processes']} processes" if r == 0 else ""))
+            for k in keys:
+                runs.setdefault(column, {}).setdefault(k, []).append(got[k])
+            log(f"  {column}: first batch {got['ttfb']:.2f} s, {got['cpu_per_sample'] * 1000:.2f} "
+                f"CPU s / 1k samples, peak RSS {got['rss'] / MB:,.0f} MB, PSS {got['pss'] / MB:,.0f} "
+                f"MB (anonymous {got['pss_anon'] / MB:,.0f} MB) over {got['processes']} processes")
+    out: dict[str, Any] = {}
+    for column, values in runs.items():
+        out[column] = {k: statistics.median(v) for k, v in values.items() if k != "ttfb"}
+        out[column].update(ttfb=values["ttfb"], runs=values)
     return out
 
 
@@ -434,7 +447,7 @@ def run(n: int, rounds: int, repeats: int, stall_batches: int, limit_samples: in
     loads = [load_average()]
     start = time.perf_counter()
     raw: dict[str, Any] = {"in_process": in_process(images, columns, rounds, stall_batches,
-                                                    limit_samples, why, log)}
+                                                    limit_samples, why, log, stall_passes=repeats)}
     log("isolated runs (a fresh process per loader) ...")
     raw["isolated"] = isolated(images, columns, repeats, why, log)
     try:
@@ -567,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a smoke run: 2,000 images, 1 round, 1 repeat, 30 stall batches")
     parser.add_argument("--n", type=int, help="images (default 20000; --quick 2000)")
     parser.add_argument("--rounds", type=int, help="interleaved epochs per loader (default 3)")
-    parser.add_argument("--repeats", type=int, help="fresh processes per loader (default 3)")
+    parser.add_argument("--repeats", type=int, help="fresh processes per loader, and stall passes (default 3)")
     parser.add_argument("--stall-batches", type=int, help="default 100")
     parser.add_argument("--only", nargs="*", help="peers whose names contain these words "
                         "(shardloader always runs)")
