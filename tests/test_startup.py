@@ -8,7 +8,7 @@ import pytest
 
 from shardloader import Dataset, Loader
 from shardloader.format.writer import write_shards
-from shardloader.loader.startup import paused_gc
+from shardloader.startup import paused_gc
 from tests.sample_transforms import make_samples, noisy_crop
 
 
@@ -52,3 +52,17 @@ def test_user_code_never_runs_with_the_collector_paused(dataset_dir, gc_enabled,
     finally:
         loader.close()
     assert seen == [True, True, True, True]
+
+
+def test_building_a_dataset_pauses_the_collector_and_restores_it(dataset_dir, gc_enabled, monkeypatch):
+    """A remote Dataset imports the cache stack and loads the index on the path to the first
+    batch: a full collection there cost ~80 ms of a cold first batch (benchmarks.speed)."""
+    import shardloader.dataset as dataset_module
+
+    during = []
+    real = dataset_module.load_index
+    monkeypatch.setattr(dataset_module, "load_index",
+                        lambda *a, **k: (during.append(gc.isenabled()), real(*a, **k))[1])
+    Dataset(dataset_dir)
+    assert during == [False]
+    assert gc.isenabled()

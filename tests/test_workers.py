@@ -65,7 +65,7 @@ def cyclic_garbage(sample):
 
 
 def test_workers_collect_cyclic_garbage(dataset_dir, gc_enabled):
-    """Workers fork while the loader starts, with the collector paused (loader.startup); they
+    """Workers fork while the loader starts, with the collector paused (shardloader.startup); they
     must switch it back on, or each of these 300 samples' 1 MB would stay in its worker."""
     loader = make(dataset_dir, transform=cyclic_garbage, shuffle=False)
     try:

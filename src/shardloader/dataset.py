@@ -31,6 +31,7 @@ from shardloader.format.index import Index
 from shardloader.format.reader import ShardReader, open_shard
 from shardloader.format.wds_decode import decode_record, decoded_fields
 from shardloader.source import LocalSource, ShardSource, is_local, load_index, strip_file_scheme
+from shardloader.startup import gc_paused
 
 INDEX_FIELD = "__index__"
 KEY_FIELD = "__key__"
@@ -58,6 +59,7 @@ class Dataset:
     `shardloader.cache.ranged` and docs/cache.md.
     """
 
+    @gc_paused  # on the path to the first batch: no full collection (see shardloader.startup)
     def __init__(
         self,
         path_or_url: str | os.PathLike[str],

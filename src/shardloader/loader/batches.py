@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from shardloader.loader.collate import collate
-from shardloader.loader.startup import paused_gc
 from shardloader.order.seeding import GlobalRngScope, sample_keys
 from shardloader.source import LocalSource
+from shardloader.startup import paused_gc
 from shardloader.transforms.base import Compose
 from shardloader.transforms.fused import DecodeCropFlip
 from shardloader.transforms.tensor import ToTensor
@@ -160,7 +160,7 @@ class BatchProducer:
         only the modules are imported. Failures are left for the workers to report with their full
         context.
 
-        The garbage collector is paused meanwhile (`shardloader.loader.startup`): loading
+        The garbage collector is paused meanwhile (`shardloader.startup`): loading
         pyarrow and OpenCV creates many objects and, in a process that holds torch, triggered
         full collections over its whole heap; the two imports took 116-142 ms of CPU with
         collections and 42-45 ms without, on the path to the first batch.

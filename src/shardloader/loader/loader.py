@@ -36,7 +36,6 @@ from shardloader.loader.mapstyle import (
     as_loader_dataset,
 )
 from shardloader.loader.plan import StepPlan
-from shardloader.loader.startup import gc_paused, paused_gc
 from shardloader.loader.state import fingerprint_differences, make_state, validate_state
 from shardloader.loader.workers import CLOSE_SECONDS, make_pool
 from shardloader.order.partition import (
@@ -53,6 +52,7 @@ from shardloader.order.shuffle import (
     ShuffleSettings,
 )
 from shardloader.source import LocalSource
+from shardloader.startup import gc_paused, paused_gc
 from shardloader.transforms.base import transform_version as describe_transform
 
 
@@ -110,7 +110,7 @@ class Loader:
     `__del__` never waits. Worker processes die with the training process, by any signal.
     """
 
-    @gc_paused  # no full collection on the path to the first batch (see loader.startup)
+    @gc_paused  # no full collection on the path to the first batch (see shardloader.startup)
     def __init__(
         self,
         dataset: Any,
@@ -430,7 +430,7 @@ def _make_stats() -> Any:
 class _EpochIterator:
     """Iterates the rest of one epoch for one rank; updates the loader's cursor per batch."""
 
-    @gc_paused  # starts the workers: on the path to the first batch (see loader.startup)
+    @gc_paused  # starts the workers: on the path to the first batch (see shardloader.startup)
     def __init__(self, loader: Loader, generation: int) -> None:
         self.loader = loader
         self.delivered = False  # no batch yet: the first __next__ runs under paused_gc
@@ -548,7 +548,7 @@ class _EpochIterator:
     def __next__(self) -> Any:
         if self.delivered:
             return self._next()
-        with paused_gc():  # the wait for the first batch (see loader.startup)
+        with paused_gc():  # the wait for the first batch (see shardloader.startup)
             batch = self._next()
         self.delivered = True
         return batch

@@ -39,7 +39,7 @@ from shardloader.errors import WorkerError
 from shardloader.loader.batches import BatchProducer, BatchTask, BatchTimings
 from shardloader.loader.frames import ATOMIC_BYTES, frame
 from shardloader.loader.slots import LEND_PER_WORKER, SlotReader, SlotWriter
-from shardloader.loader.startup import collect_in_forked_worker
+from shardloader.startup import collect_in_forked_worker
 
 Result = tuple[Any, BatchTimings]
 _POLL_SECONDS = 0.2
