@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -468,25 +468,6 @@ def _image(table: RangeTable, fetched: Mapping[int, bytes], ids: np.ndarray) -> 
     for i, (offset, length) in zip(ids.tolist(), table.spans[ids].tolist()):
         image[offset:offset + length] = np.frombuffer(fetched[i], dtype=np.uint8)
     return image
-
-
-def import_row_builders(formats: Iterable[str]) -> None:
-    """Import what `rows_from_spans` loads on first use for shards of `formats` (pyarrow, its
-    IPC or Parquet reader, the row builder). A training process about to fork its workers calls
-    this (`BatchProducer.warm_up`) so that they inherit the modules: otherwise the worker of a
-    cold first batch imported them inside that batch, 60-65 ms of its ~75 ms of CPU on this
-    project's machine (pyarrow alone ~50 ms)."""
-    formats = set(formats)
-    if not formats & {"arrow", "parquet"}:
-        return
-    import pyarrow  # noqa: F401
-
-    import shardloader.format.schema  # noqa: F401
-
-    if "arrow" in formats:
-        import pyarrow.ipc  # noqa: F401
-    if "parquet" in formats:
-        import pyarrow.parquet  # noqa: F401
 
 
 def rows_from_spans(table: RangeTable, fetched: Mapping[int, bytes], rows: Sequence[int],

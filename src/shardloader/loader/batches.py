@@ -176,13 +176,8 @@ class BatchProducer:
                 pass
         index = getattr(self.dataset, "index", None)
         try:
-            formats = {shard.format for shard in getattr(index, "shards", ())}
-            for fmt in formats:
+            for fmt in {shard.format for shard in getattr(index, "shards", ())}:
                 importlib.import_module(f"shardloader.format.{fmt}")
-            if getattr(getattr(self.dataset, "source", None), "read_by_range", None) is not None:
-                from shardloader.format.ranges import import_row_builders
-
-                import_row_builders(formats)  # rows read by range are built with pyarrow
             if self._direct is not None:  # check the JPEG crop decoder once, for every worker
                 from shardloader.transforms.decode import crop_decoder_on
 
