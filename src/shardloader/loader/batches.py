@@ -153,11 +153,12 @@ class BatchProducer:
         """Import here what producing a batch imports lazily, before worker processes fork.
 
         Forked workers inherit this process's modules (their pages shared copy-on-write)
-        instead of each importing the shard reader stack (for Parquet and remote reads,
-        pyarrow; local Arrow shards need none, see `shardloader.format.ipc`) and the image
-        libraries before its first batch. For a local dataset one sample is read (a reader's
-        first read loads what it loads lazily); a remote one would download a shard, so there
-        only the modules are imported. Failures are left for the workers to report with their full
+        instead of each importing the shard reader stack (for Parquet, pyarrow; local Arrow
+        shards need none, see `shardloader.format.ipc`) and the image libraries before its
+        first batch. For a local dataset one sample is read (a reader's first read loads what
+        it loads lazily); a remote one would download a shard, so there only the modules are
+        imported. (Rows read by range are built with pyarrow, which the worker that reads them
+        imports: importing it here made a cold first batch slower, docs/cache.md.) Failures are left for the workers to report with their full
         context.
 
         The garbage collector is paused meanwhile (`shardloader.startup`): loading
