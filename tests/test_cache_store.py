@@ -87,7 +87,7 @@ def test_a_second_process_view_hits_the_cache_and_verifies_once(six_shards, tmp_
     assert c["verify_seconds"] > 0
 
 
-def test_a_bit_flip_in_the_cache_is_detected_and_fetched_again(six_shards, tmp_path):
+def test_a_bit_flip_in_the_cache_is_detected_and_fetched_again(six_shards, tmp_path, caplog):
     ds, index = six_shards
     info = index.shards[2]
     original = open(os.path.join(ds, info.path), "rb").read()
@@ -103,9 +103,12 @@ def test_a_bit_flip_in_the_cache_is_detected_and_fetched_again(six_shards, tmp_p
     c = fresh.counters()
     assert (c["corrupt_refetched"], c["cache_misses"], c["bytes_downloaded"]) == (1, 1, info.bytes)
     assert checksum_file(path)[0] == info.checksum
+    warned = [r.getMessage() for r in caplog.records if "failed verification" in r.getMessage()]
+    assert len(warned) == 1 and info.path in warned[0]
+    assert f"instead of {info.checksum}" in warned[0]
 
 
-def test_damage_after_this_process_verified_is_caught_on_the_next_open(six_shards, tmp_path):
+def test_damage_after_this_process_verified_is_caught_on_the_next_open(six_shards, tmp_path, caplog):
     ds, index = six_shards
     info = index.shards[3]
     src = source(ds, tmp_path, "10MB")
@@ -115,6 +118,8 @@ def test_damage_after_this_process_verified_is_caught_on_the_next_open(six_shard
         f.truncate(info.bytes - 100)  # truncated: size and mtime change
     assert read_and_release(src, info) == open(os.path.join(ds, info.path), "rb").read()
     assert src.counters()["corrupt_refetched"] == 1
+    assert any(f"{info.bytes - 100} bytes, index says {info.bytes};" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
 def usage(src) -> int:

@@ -281,12 +281,19 @@ class ShardCache:
             if key in self._verified:
                 return True
         start = time.monotonic()
-        ok = st.st_size == info.bytes and hash_file(fd, info.checksum) == info.checksum
+        digest = hash_file(fd, info.checksum) if st.st_size == info.bytes else None
+        ok = digest == info.checksum
         with self._mutex:
             self.counters["verify_seconds"] += time.monotonic() - start
             if ok:
                 self._verified.add(key)
         if not ok:
+            # Rare and worth knowing (a damaged disk, or something else writing into the cache),
+            # and the one way a shard leaves the cache without counting as evicted.
+            log.warning("%s: cached file %s (inode %d) failed verification: %d bytes, index says "
+                        "%d%s; discarding it and fetching again", info.path, self.path_of(name),
+                        st.st_ino, st.st_size, info.bytes,
+                        "" if digest is None else f", checksum {digest} instead of {info.checksum}")
             self.discard(name, (st.st_ino, st.st_dev))
         return ok
 
