@@ -379,7 +379,7 @@ def isolated(images: ImageSet, columns: list[str], repeats: int, why: dict[tuple
     between the loaders it was to decide."""
     runs: dict[str, dict[str, list[float]]] = {}
     todo = [c for c in columns if "fast" in CONTENDERS[c].works and (c, "fast") not in why]
-    keys = ("ttfb", "cpu_per_sample", "rss", "pss", "pss_anon")
+    keys = ("ttfb", "cpu_per_sample", "rss", "pss", "pss_anon", "processes")
     for _ in range(repeats):
         for column in todo:
             try:

@@ -13,10 +13,9 @@ the cold first batch's construction phase) when a full collection fell into thos
 
 `paused_gc()` defers collections while our own start-up code runs (the dataset's and the
 loader's constructors, the start of an epoch's iteration, the wait for its first batch) and
-re-enables the collector
-as soon as that code returns, so user code never runs with it paused by us. The collection is
-deferred, not skipped: it runs at the next allocation after the pause, off the first batch's
-path. A collector the application disabled stays disabled.
+re-enables the collector as soon as that code returns, so user code never runs with it paused
+by us. The collection is deferred, not skipped: it runs at the next allocation after the pause,
+off the first batch's path. A collector the application disabled stays disabled.
 """
 
 from __future__ import annotations
