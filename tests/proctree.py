@@ -105,8 +105,14 @@ def answer_from_fork(target: Callable[..., None], *args: Any, timeout: float = 3
     parent, child = ctx.Pipe()
     process = ctx.Process(target=target, args=(*args, child))
     process.start()
+    child.close()  # the child's end lives in the child only: its death is end-of-file here
     try:
         assert parent.poll(timeout), f"the forked child ({target.__name__}) did not answer"
-        return process.pid, parent.recv()
+        try:
+            return process.pid, parent.recv()
+        except EOFError:
+            process.join(10)
+            raise AssertionError(f"the forked child ({target.__name__}) ended (exit code "
+                                 f"{process.exitcode}) without answering") from None
     finally:
         process.join(10)

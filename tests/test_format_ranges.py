@@ -90,6 +90,29 @@ def test_arrow_rows_across_record_batches(tmp_path, monkeypatch):
     assert all(_same(a, b) for a, b in zip(got, want))
 
 
+def test_arrow_rows_by_range_are_read_without_pyarrow_and_equal_its_values(tmp_path, monkeypatch):
+    """Rows of a shard of the types `shardloader.format.ipc` reads are rebuilt by it (pyarrow
+    would cost a worker's cold first batch its import), equal to pyarrow's values bit for bit;
+    the image it reads holds only the spans the rows need, zeros elsewhere."""
+    monkeypatch.setattr("shardloader.format.writer._BATCH_ROWS", 64)
+    rng = np.random.default_rng(1)
+    samples = [{"data": rng.bytes(int(rng.integers(0, 600))), "label": i, "text": "é" * (i % 9),
+                "f": float(i) / 3, "u8": np.uint8(i % 256), "t": np.full((2, 3), i, np.float32)}
+               for i in range(300)]
+    index = write_shards(samples, tmp_path / "ds", shard_samples=300)
+    info = index.shards[0]
+    path = str(tmp_path / "ds" / info.path)
+    table = table_of_file(path, "arrow")
+    with monkeypatch.context() as m:  # pyarrow's `BatchRows` over the same image
+        m.setattr("shardloader.format.ranges._arrow_rows", lambda *a: None)
+        want = _by_range(table, path, ROWS)
+    monkeypatch.setattr("pyarrow.ipc.open_file", lambda *a, **k: pytest.fail("read with pyarrow"))
+    got = _by_range(table, path, ROWS)
+    assert len(got) == len(ROWS) and all(_same(a, b) for a, b in zip(got, want))
+    assert [r["label"] for r in got] == ROWS
+    assert all(r["t"].flags.writeable for r in got)
+
+
 def test_parquet_rows_by_row_group(tmp_path):
     table = pa.table({"data": [bytes([i % 256]) * (i % 50) for i in range(1000)],
                       "label": list(range(1000)), "name": [f"n{i}" for i in range(1000)]})

@@ -10,7 +10,8 @@ buffers, and a row is a slice of them.
 
 What is parsed: the file's footer (schema, record batch blocks) and each record batch's
 message (field nodes, buffer offsets), all FlatBuffers, with a reader of the few FlatBuffers
-rules they use (tables through vtables, vectors, strings, structs). Spec:
+rules they use (tables through vtables, vectors, strings, structs); for rows read by range
+(`shardloader.format.ranges`), the footer and only the record batches the rows lie in. Spec:
 https://arrow.apache.org/docs/format/Columnar.html#ipc-file-format (and the `File.fbs`,
 `Message.fbs`, `Schema.fbs` it links).
 
@@ -46,6 +47,12 @@ _TENSOR_EXTENSION = "arrow.fixed_shape_tensor"
 
 class Unsupported(Exception):
     """The file is outside what this module reads (or malformed): read it with pyarrow."""
+
+
+#: What parsing raises on a file outside this module's types or a damaged one (a deeply nested
+#: JSON metadata raises RecursionError): the caller is given None and reads it with pyarrow.
+_DECLINED = (Unsupported, struct.error, ValueError, KeyError, TypeError, IndexError, OverflowError,
+             RecursionError, UnicodeDecodeError)
 
 
 class _Buffer:
@@ -156,20 +163,60 @@ class IpcFile:
         return {c.name: c.type_name for c in self.columns}
 
 
+@dataclass
+class Layout:
+    """What an Arrow IPC file's footer says: its columns, and where each record batch lies
+    (offset of its message, length of the message's metadata, length of its body)."""
+
+    columns: list[Column]
+    blocks: list[tuple[int, int, int]]
+
+
 def parse_file(data: Any) -> IpcFile | None:
     """The schema and record batches of the Arrow IPC file in `data` (a bytes-like object, e.g.
     an mmap), with column buffers as zero-copy numpy views of it; None when the file is outside
     what this module reads or does not parse (see the module docstring)."""
+    layout = parse_layout(data)
+    if layout is None:
+        return None
+    batches = []
+    for i in range(len(layout.blocks)):
+        batch = parse_batch(data, layout, i)
+        if batch is None:
+            return None
+        batches.append(batch)
+    return IpcFile(layout.columns, batches)
+
+
+def parse_layout(data: Any) -> Layout | None:
+    """The footer of the Arrow IPC file in `data`, without reading any record batch: for an
+    image of a file of which only some byte ranges are present (see
+    `shardloader.format.ranges`), whose other batches are zeros. None as `parse_file`."""
     if sys.byteorder != "little":
         return None
     try:
-        return _parse(_Buffer(data))
-    except (Unsupported, struct.error, ValueError, KeyError, TypeError, IndexError,
-            OverflowError, RecursionError, UnicodeDecodeError):  # (deeply nested JSON metadata)
+        return _layout(_Buffer(data))
+    except _DECLINED:
         return None
 
 
-def _parse(buf: _Buffer) -> IpcFile:
+def parse_batch(data: Any, layout: Layout, index: int, rows: np.ndarray | None = None) -> RecordBatch | None:
+    """Record batch `index` of the file in `data` (see `parse_layout`); None as `parse_file`.
+
+    With `rows` (positions in the batch), only what reading those rows needs is checked: of a
+    string or binary column, the offsets of those rows instead of the whole offsets buffer, of
+    which a file image read by range holds just those rows' entries. Values of other rows must
+    then not be read from the batch."""
+    if sys.byteorder != "little":
+        return None
+    try:
+        offset, meta_length, body_length = layout.blocks[index]
+        return _record_batch(_Buffer(data), layout.columns, offset, meta_length, body_length, rows)
+    except _DECLINED:
+        return None
+
+
+def _layout(buf: _Buffer) -> Layout:
     size = buf.size
     if size < 18 or bytes(buf.data[:6]) != _MAGIC or bytes(buf.data[size - 6:]) != _MAGIC:
         raise Unsupported("not an Arrow IPC file")
@@ -187,12 +234,10 @@ def _parse(buf: _Buffer) -> IpcFile:
     if buf.vector(footer, 2)[1]:
         raise Unsupported("dictionaries")
     start, count = buf.vector(footer, 3)
-    batches = []
-    for i in range(count):
-        block = start + 24 * i  # struct Block { offset: long; metaDataLength: int; bodyLength: long }
-        batches.append(_record_batch(buf, columns, buf.i64(block), buf.i32(block + 8),
-                                     buf.i64(block + 16)))
-    return IpcFile(columns, batches)
+    # struct Block { offset: long; metaDataLength: int; bodyLength: long }
+    blocks = [(buf.i64(start + 24 * i), buf.i32(start + 24 * i + 8), buf.i64(start + 24 * i + 16))
+              for i in range(count)]
+    return Layout(columns, blocks)
 
 
 def _column(buf: _Buffer, field: int) -> Column:
@@ -240,7 +285,7 @@ def _number_dtype(buf: _Buffer, type_id: int, table: int) -> np.dtype:
 
 
 def _record_batch(buf: _Buffer, columns: list[Column], offset: int, meta_length: int,
-                  body_length: int) -> RecordBatch:
+                  body_length: int, rows: np.ndarray | None = None) -> RecordBatch:
     body = offset + meta_length
     if offset < 8 or meta_length < 8 or body_length < 0 or body + body_length > buf.size:
         raise Unsupported("record batch block outside the file")
@@ -273,15 +318,16 @@ def _record_batch(buf: _Buffer, columns: list[Column], offset: int, meta_length:
         if length != num_rows or nulls:
             raise Unsupported("column length differs from the batch, or holds nulls")
         views.append((column, _views(buf.data, column, num_rows, nodes[node + 1:node + 2],
-                                     spans[span:span + column.buffers])))
+                                     spans[span:span + column.buffers], rows)))
         node, span = node + column.nodes, span + column.buffers
     return RecordBatch(num_rows, views, data_offsets)
 
 
 def _views(data: Any, column: Column, rows: int, child: list[tuple[int, int]],
-           spans: list[tuple[int, int]]) -> tuple[np.ndarray, ...]:
+           spans: list[tuple[int, int]], read: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
     """Numpy views of a column's buffers, checked to hold `rows` rows (validity buffers are
-    skipped: the column has no nulls)."""
+    skipped: the column has no nulls); string offsets checked for all rows, or for the rows
+    `read` only."""
     def array(span: tuple[int, int], dtype: np.dtype, count: int) -> np.ndarray:
         at, length = span
         if count * dtype.itemsize > length:
@@ -297,8 +343,11 @@ def _views(data: Any, column: Column, rows: int, child: list[tuple[int, int]],
         values = array(spans[2], column.dtype, rows * size)
         return (values.reshape(rows, *column.shape),)
     offsets = array(spans[1], column.dtype, rows + 1)
-    end = int(offsets[-1])
-    if int(offsets[0]) < 0 or end > spans[2][1] or (rows and np.any(np.diff(offsets) < 0)):
+    if read is not None:
+        starts, ends = offsets[read], offsets[read + 1]
+        if len(read) and (int(starts.min()) < 0 or int(ends.max()) > spans[2][1] or np.any(ends < starts)):
+            raise Unsupported("string offsets of the rows read out of order or past the data")
+    elif int(offsets[0]) < 0 or int(offsets[-1]) > spans[2][1] or (rows and np.any(np.diff(offsets) < 0)):
         raise Unsupported("string offsets out of order or past the data")
     return offsets, np.frombuffer(data, dtype=np.uint8, count=spans[2][1], offset=spans[2][0])
 

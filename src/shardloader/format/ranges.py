@@ -470,6 +470,34 @@ def _image(table: RangeTable, fetched: Mapping[int, bytes], ids: np.ndarray) -> 
     return image
 
 
+def _arrow_rows(table: RangeTable, image: np.ndarray, rows: np.ndarray, where: str) -> list[dict[str, Any]] | None:
+    """`rows_from_spans` of an Arrow file by `shardloader.format.ipc`, which reads the image's
+    footer and the record batches the rows lie in, nothing else; None for a file it does not
+    read, which pyarrow then reads. Why: a worker's first read by range would otherwise import
+    pyarrow, 66 of the 111 ms its first batch took in a cold start (profiled in the worker).
+    The values are those of `BatchRows` (tests/test_format_ranges.py compares them)."""
+    from shardloader.format import ipc
+    from shardloader.format.rows import gather_rows
+
+    layout = ipc.parse_layout(image)
+    if layout is None or len(layout.blocks) != len(table.group_rows) - 1:
+        return None
+
+    class Declined(Exception):
+        pass
+
+    def read_batch(g: int, local: np.ndarray) -> list[dict[str, Any]]:
+        batch = ipc.parse_batch(image, layout, g, local)
+        if batch is None or batch.num_rows != int(table.group_rows[g + 1] - table.group_rows[g]):
+            raise Declined
+        return ipc.BatchReader(batch).records(local)
+
+    try:
+        return gather_rows(table.group_rows, rows, read_batch, where=where)
+    except Declined:
+        return None
+
+
 def rows_from_spans(table: RangeTable, fetched: Mapping[int, bytes], rows: Sequence[int],
                     *, where: str, tar_offsets: Any = None) -> list[dict[str, Any]]:
     """Records of `rows` (any order, repeats allowed) from verified spans `fetched` (span id ->
@@ -490,11 +518,16 @@ def rows_from_spans(table: RangeTable, fetched: Mapping[int, bytes], rows: Seque
             record[KEY_FIELD] = tar_offsets.keys[r]
             out.append(record)
         return out
+    image = _image(table, fetched, table.needed(rows))
+    if table.format == "arrow":
+        records = _arrow_rows(table, image, rows, where)
+        if records is not None:
+            return records
     import pyarrow as pa
 
     from shardloader.format.schema import BatchRows, gather_rows
 
-    buf = pa.py_buffer(_image(table, fetched, table.needed(rows)))
+    buf = pa.py_buffer(image)
     if table.format == "arrow":
         import pyarrow.ipc as ipc
 

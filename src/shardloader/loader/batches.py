@@ -157,9 +157,9 @@ class BatchProducer:
         shards need none, see `shardloader.format.ipc`) and the image libraries before its
         first batch. For a local dataset one sample is read (a reader's first read loads what
         it loads lazily); a remote one would download a shard, so there only the modules are
-        imported. (Rows read by range are built with pyarrow, which the worker that reads them
-        imports: importing it here made a cold first batch slower, docs/cache.md.) Failures are
-        left for the workers to report with their full context.
+        imported. (Arrow rows read by range are built without pyarrow too; for other files the
+        worker that reads them imports it: importing it here made a cold first batch slower,
+        docs/cache.md.) Failures are left for the workers to report with their full context.
 
         The garbage collector is paused meanwhile (`shardloader.startup`): loading
         pyarrow and OpenCV creates many objects and, in a process that holds torch, triggered
