@@ -37,7 +37,7 @@ from shardloader.loader.mapstyle import (
 )
 from shardloader.loader.plan import StepPlan
 from shardloader.loader.state import fingerprint_differences, make_state, validate_state
-from shardloader.loader.workers import CLOSE_SECONDS, make_pool
+from shardloader.loader.workers import CLOSE_SECONDS, end_pools_at_exit, make_pool
 from shardloader.order.partition import (
     check_world,
     dropped_samples,
@@ -402,12 +402,14 @@ def _close_live_loaders() -> None:
 
     atexit runs handlers last-registered first, and `multiprocessing.util` (imported above)
     registered its handler before this one; that handler joins non-daemon children and, at
-    shutdown, a half-closed queue can wait forever on a feeder thread that cannot start."""
+    shutdown, a half-closed queue can wait forever on a feeder thread that cannot start.
+    Then the pools' threads are waited for, bounded (`end_pools_at_exit` says why)."""
     for loader in list(_LIVE_LOADERS):
         try:
             loader.close(timeout=CLOSE_SECONDS)
         except Exception:  # noqa: BLE001 - exit must go on; a failing close loses nothing here
             pass
+    end_pools_at_exit()
 
 
 atexit.register(_close_live_loaders)
