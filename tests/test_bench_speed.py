@@ -3,7 +3,9 @@ the goal check, and n/a cells that say why."""
 
 from __future__ import annotations
 
-from benchmarks.speed import OURS, Figure, render
+import pytest
+
+from benchmarks.speed import OURS, Figure, figures, render
 
 COLUMNS = [OURS, "FFCV", "torch DataLoader", "litdata"]
 
@@ -73,3 +75,30 @@ def test_a_column_with_several_reasons_names_the_figures_of_each():
 def test_a_reference_row_has_no_best_peer_and_no_goal():
     f = Figure("limit", "{:,.0f}", None, {OURS: 8000.0, "FFCV": 1.0})
     assert f.best_peer() is None and f.ours_to_best() is None and f.met() == "-"
+
+
+def _raw(in_process: dict) -> dict:
+    return {"in_process": {"cores": 2, "limits": {"antialias": [], "linear": [10.0], "whole": []},
+                           "stalls": {}, **in_process},
+            "isolated": {}, "cold": {}, "why": {}, "columns": [OURS]}
+
+
+def test_each_epoch_is_compared_with_the_limit_measured_just_before_it():
+    """Rates 8k, 6k, 9k against limits 10k, 6k, 9k measured just before each epoch: fractions
+    0.8, 1.0, 1.0 (median 1.0), where the median limit (9k) would give 0.89; CPU efficiency =
+    the loop's CPU per sample (cores / limit) over the loader's, per epoch (0.8, 0.5, 0.9)."""
+    raw = _raw({"rates": {f"{OURS}|fast": [8000.0, 6000.0, 9000.0]},
+                "epoch_limits": {f"{OURS}|fast": [10000.0, 6000.0, 9000.0]},
+                "epoch_cpu": {f"{OURS}|fast": [2 / 8000, 2 / 3000, 2 / 8100]}})
+    by_name = {f.name.split(" (")[0].strip(): f for f in figures(raw)}
+    assert by_name["fraction of the fast stack's limit"].values[OURS] == 1.0
+    assert by_name["CPU efficiency: the loop's CPU per sample ÷ the loader's"].values[OURS] == \
+        pytest.approx(0.8)
+
+
+def test_a_run_saved_before_per_epoch_limits_uses_the_limit_of_its_round():
+    raw = _raw({"rates": {f"{OURS}|fast": [8000.0, 6000.0]},
+                "limits": {"antialias": [10000.0, 10000.0], "linear": [1.0], "whole": []}})
+    by_name = {f.name.split(" (")[0].strip(): f for f in figures(raw)}
+    assert by_name["fraction of the fast stack's limit"].values[OURS] == pytest.approx(0.7)
+    assert OURS not in by_name["CPU efficiency: the loop's CPU per sample ÷ the loader's"].values
