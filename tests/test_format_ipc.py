@@ -186,3 +186,24 @@ def test_a_loader_over_local_arrow_data_loads_no_pyarrow_nor_fsspec(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"rows": 96, "workers": [0], "main": False}
+
+
+def test_a_batch_parsed_for_some_rows_checks_the_offsets_of_those_rows(tmp_path):
+    """`parse_batch(..., rows)` (a file image read by range holds only the rows' own offsets):
+    offsets of other rows are not looked at, a read row's offsets out of order or past the
+    data decline the batch (pyarrow then reads it and names the damage)."""
+    write_shards([{"data": bytes([i]) * (i + 1)} for i in range(8)], tmp_path / "ds")
+    path = str(tmp_path / "ds" / "shard-00000.arrow")
+    data = bytearray(open(path, "rb").read())
+    layout = ipc.parse_layout(data)
+    batch = ipc.parse_batch(data, layout, 0)
+    offsets = batch.columns[0][1][0]
+    at = offsets.ctypes.data - np.frombuffer(data, np.uint8).ctypes.data  # offsets' place in the file
+    sixth = at + 4 * 6  # int32 offsets: where row 5 ends and row 6 starts, now past the data
+    data[sixth:sixth + 4] = (10_000).to_bytes(4, "little")
+    rows = np.array([0, 2], dtype=np.int64)
+    assert ipc.parse_file(data) is None  # the whole file: damaged
+    assert ipc.BatchReader(ipc.parse_batch(data, layout, 0, rows)).records(rows) == [
+        {"data": b"\x00"}, {"data": b"\x02" * 3}]  # rows 0 and 2 do not touch offset 6
+    assert ipc.parse_batch(data, layout, 0, np.array([5], dtype=np.int64)) is None
+    assert ipc.parse_batch(data, layout, 0, np.array([6], dtype=np.int64)) is None

@@ -467,7 +467,10 @@ def end_pools_at_exit(timeout: float = EXIT_JOIN_SECONDS) -> None:
     its Loader without `close()` and returned. A thread still busy after `timeout` (a worker
     thread stuck in a read) is left as it is."""
     for pool in list(_LIVE_POOLS):
-        pool.abandon()
+        try:
+            pool.abandon()
+        except Exception:  # noqa: BLE001 - e.g. in a forked child, whose pools are not its own
+            pass
     deadline = time.monotonic() + timeout
     for thread in list(_POOL_THREADS):
         if thread is not threading.current_thread() and thread.is_alive():
