@@ -8,7 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shardloader.errors import ShardError
+from shardloader.errors import SchemaError, ShardError
+from shardloader.format import ranges as ranges_module
 from shardloader.format.checksum import checksum_file
 from shardloader.format.index import ShardInfo
 from shardloader.format.indexer import index_dataset
@@ -170,3 +171,33 @@ def test_verify_names_a_damaged_range_sidecar(tmp_path):
     sidecar.write_bytes(bytes(data))
     problems = verify_dataset(str(tmp_path / "ds"))
     assert len(problems) == 1 and "shard-00000.arrow.ranges: checksum" in problems[0]
+
+
+def test_a_record_batch_ipc_does_not_read_leaves_the_file_to_pyarrow(tmp_path, monkeypatch):
+    """A file whose footer `ipc` reads but whose record batch it declines (a column holding
+    nulls): pyarrow reads the rows, and says what is wrong as it does for the whole shard."""
+    values = [None if i == 60 else i for i in range(120)]
+    table = pa.table({"data": [bytes([i % 256]) * (i % 30) for i in range(120)],
+                      "x": pa.array(values, type=pa.int64())})
+    path = str(tmp_path / "f.arrow")
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table, max_chunksize=50)  # batches of rows 0-49, 50-99, 100-119
+    ranges = table_of_file(path, "arrow")
+    answers = []
+    real = ranges_module._arrow_rows
+
+    def spy(*args):
+        answers.append(real(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(ranges_module, "_arrow_rows", spy)
+    rows = [119, 0, 5, 0]  # outside the batch with the null
+    got = _by_range(ranges, path, rows)
+    assert [(r["x"], r["data"]) for r in got] == [(v, bytes([v % 256]) * (v % 30)) for v in rows]
+    assert answers == [got]  # read by ipc
+    got = _by_range(ranges, path, [3, 51])  # row 51 lies in the batch with the null
+    assert answers[-1] is None  # declined by ipc, read by pyarrow
+    assert [(r["x"], r["data"]) for r in got] == [(v, bytes([v % 256]) * (v % 30)) for v in (3, 51)]
+    with pytest.raises(SchemaError, match=r"f\.arrow: row 60: field 'x' is null"):
+        _by_range(ranges, path, [3, 60])
+    assert answers[-1] is None

@@ -483,19 +483,20 @@ def _arrow_rows(table: RangeTable, image: np.ndarray, rows: np.ndarray, where: s
     if layout is None or len(layout.blocks) != len(table.group_rows) - 1:
         return None
 
-    class Declined(Exception):
-        pass
-
     def read_batch(g: int, local: np.ndarray) -> list[dict[str, Any]]:
         batch = ipc.parse_batch(image, layout, g, local)
         if batch is None or batch.num_rows != int(table.group_rows[g + 1] - table.group_rows[g]):
-            raise Declined
+            raise _Declined
         return ipc.BatchReader(batch).records(local)
 
     try:
         return gather_rows(table.group_rows, rows, read_batch, where=where)
-    except Declined:
+    except _Declined:
         return None
+
+
+class _Declined(Exception):
+    """A record batch `shardloader.format.ipc` does not read: pyarrow reads the file instead."""
 
 
 def rows_from_spans(table: RangeTable, fetched: Mapping[int, bytes], rows: Sequence[int],
