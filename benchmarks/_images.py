@@ -147,13 +147,13 @@ def prepare_images(
                         f.write(blob)
 
     def make_arrow(tmp: str) -> None:
-        from shardloader.format.writer import write_shards
+        from shardloader.ingest.writer import write_shards
 
         write_shards(({"image": b, "label": y} for _, b, y in images.iter_samples()), tmp,
                      shard_samples=SAMPLES_PER_SHARD, overwrite=True)
 
     def make_tar(tmp: str) -> None:
-        from shardloader.format.writer import write_shards
+        from shardloader.ingest.writer import write_shards
 
         write_shards(({"__key__": f"{i:09d}", "jpg": b, "cls": y} for i, b, y in images.iter_samples()),
                      tmp, shard_samples=SAMPLES_PER_SHARD, format="tar", overwrite=True)

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from shardloader.child_process import die_with_parent
+from shardloader.runtime.child_process import die_with_parent
 
 BUCKET = "bench"
 KEY = SECRET = "testing"

@@ -231,7 +231,7 @@ def shared_node(remote: Remote, cache: str, args: argparse.Namespace, world: int
 
 
 def make_dataset(path: str, args: argparse.Namespace) -> int:
-    from shardloader.format.writer import write_shards
+    from shardloader.ingest.writer import write_shards
 
     per_shard = max(1, int(args.shard_mb * 1e6 / (args.sample_kb * 1e3)))
     rng = np.random.default_rng(0)

@@ -37,9 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._common import machine, table  # noqa: E402
 from shardloader import Dataset, write_shards  # noqa: E402
-from shardloader.format.indexer import index_dataset  # noqa: E402
-from shardloader.format.reader import open_shard  # noqa: E402
+from shardloader.format.registry import open_shard  # noqa: E402
 from shardloader.format.tar import scan_tar, sidecar_path  # noqa: E402
+from shardloader.ingest.indexer import index_dataset  # noqa: E402
 
 BATCH = 64
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "read_rows")

@@ -324,7 +324,7 @@ def in_process(images: ImageSet, columns: list[str], rounds: int, stall_batches:
 def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     """One loader in this (fresh) process: construction to first batch, and with `epochs`,
     the rest of that epoch then one more whose tree-wide CPU is measured."""
-    from shardloader.child_process import die_with_parent
+    from shardloader.runtime.child_process import die_with_parent
 
     die_with_parent(spec["parent"])
     images = prepare_images(spec["n"], log=lambda _: None)

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks._common import load_average, machine, table
-from shardloader.dataset import Dataset
-from shardloader.format.writer import write_shards
+from shardloader.dataset.sharded import Dataset
+from shardloader.ingest.writer import write_shards
 from shardloader.loader import Loader
 from shardloader.telemetry import JsonlLogger, MLflowLogger
 

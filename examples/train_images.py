@@ -104,7 +104,7 @@ def setup_distributed() -> tuple[int, int]:
 
 def generate(path: str, count: int, args: argparse.Namespace, rank: int) -> None:
     from shardloader.format.index import INDEX_NAME
-    from shardloader.format.writer import write_shards
+    from shardloader.ingest.writer import write_shards
     from shardloader.synthetic import make_image_samples
 
     if rank == 0 and not os.path.exists(os.path.join(path, INDEX_NAME)):

@@ -1,4 +1,9 @@
-"""The generic exact-resume helper that every resumable part's tests call.
+"""The tests' one equality and exact-resume helper: every test that compares samples, batches
+or resumed runs calls it, so that "the same" means one thing everywhere — exactly the same.
+
+`assert_identical(a, b)` compares two values exactly: container types, dict keys in order,
+tensors' and arrays' dtypes, shapes and bytes, plain values by type and value; its message
+names the field that differs. `assert_same_samples` does so for lists of records.
 
 `assert_exact_resume(make_loader, total_batches, cuts)` runs an uninterrupted reference and
 records every batch (its sample indices and the bytes of every tensor, bit for bit); then, for each
@@ -191,22 +196,57 @@ def assert_exact_epoch_loop_resume(
     return list(reference)
 
 
-def assert_identical(a: Any, b: Any, path: str = "batch") -> None:
-    """`a` and `b` are the same batch: container types, keys, dtypes, shapes and bytes."""
+def assert_identical(a: Any, b: Any, path: str = "batch", *, key_order: bool = True,
+                     writeable: bool = False) -> None:
+    """`a` and `b` are the same value: container types, dict keys (in order, unless not
+    `key_order`: for records of readers that order their fields differently), tensors' and
+    numpy arrays' dtypes, shapes and bytes (and arrays' writeable flag, when `writeable`), and
+    plain values (bytes, str, numbers, numpy scalars) of the same type and equal. The message
+    names the first field that differs, by its `path`."""
     assert type(a) is type(b), f"{path}: {type(a).__name__} vs {type(b).__name__}"
     if isinstance(a, torch.Tensor):
         assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
         assert _tensor_bytes(a) == _tensor_bytes(b), f"{path}: bytes differ"
+    elif isinstance(a, np.ndarray):
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        if writeable:
+            assert a.flags.writeable == b.flags.writeable, (
+                f"{path}: writeable {a.flags.writeable} vs {b.flags.writeable}")
+        assert a.tobytes() == b.tobytes(), f"{path}: bytes differ"
     elif isinstance(a, dict):
-        assert list(a) == list(b), f"{path}: keys {list(a)} vs {list(b)}"
+        if key_order:
+            assert list(a) == list(b), f"{path}: keys {list(a)} vs {list(b)}"
+        else:
+            assert a.keys() == b.keys(), (
+                f"{path}: keys {list(a.keys() - b.keys())} only in the first, "
+                f"{list(b.keys() - a.keys())} only in the second")
         for k in a:
-            assert_identical(a[k], b[k], f"{path}[{k!r}]")
+            assert_identical(a[k], b[k], f"{path}[{k!r}]", key_order=key_order, writeable=writeable)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{path}: length {len(a)} vs {len(b)}"
         for i, (x, y) in enumerate(zip(a, b)):
-            assert_identical(x, y, f"{path}[{i}]")
+            assert_identical(x, y, f"{path}[{i}]", key_order=key_order, writeable=writeable)
     else:
-        assert a == b, f"{path}: {a!r} vs {b!r}"
+        assert a == b, f"{path}: {_show(a)} vs {_show(b)}"
+
+
+def assert_same_samples(actual: Sequence[dict[str, Any]], expected: Sequence[dict[str, Any]],
+                        what: str = "sample", *, skip: Iterable[str] = (), key_order: bool = True,
+                        writeable: bool = False) -> None:
+    """`actual` holds exactly the records of `expected`, in order (`assert_identical` for each),
+    leaving out the fields in `skip` (e.g. the `__index__` a Dataset adds) on both sides."""
+    skipped = set(skip)
+    assert len(actual) == len(expected), f"{what}s: {len(actual)} records, expected {len(expected)}"
+    for i, (got, want) in enumerate(zip(actual, expected)):
+        assert_identical({k: v for k, v in got.items() if k not in skipped},
+                         {k: v for k, v in want.items() if k not in skipped},
+                         f"{what} {i}", key_order=key_order, writeable=writeable)
+
+
+def _show(value: Any) -> str:
+    """A value for a failure message: its repr, cut short (a sample's bytes can be large)."""
+    text = repr(value)
+    return text if len(text) <= 120 else f"{text[:100]}... ({len(text)} characters)"
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

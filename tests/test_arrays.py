@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from shardloader.arrays import positions_by_value, sorted_unique
+from shardloader.format.arrays import positions_by_value, sorted_unique
 
 ONE_DIMENSIONAL = [
     np.array([], dtype=np.int64),

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import default_collate
 
 from shardloader import Dataset
-from shardloader.format.writer import write_shards
+from shardloader.ingest.writer import write_shards
 from shardloader.loader.batches import BatchProducer, BatchTask, uses_global_rng
 from shardloader.order.seeding import sample_generator, sample_key
 from shardloader.synthetic import make_image_samples
@@ -85,6 +85,36 @@ def test_producer_batches_are_the_keyed_per_sample_augmentations(image_dataset, 
     torch.manual_seed(5)
     producer(BatchTask(2, 4, 1, samples))
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == before
+
+
+def _named_draw(sample, generator=None):
+    """Asks for the generator by name."""
+    return {"draw": torch.rand((), generator=generator)}
+
+
+def _kwargs_draw(sample, **kwargs):
+    """Takes keywords but never names `generator`: it must not be handed one."""
+    assert not kwargs, f"handed {sorted(kwargs)}"
+    return {"draw": torch.rand(())}
+
+
+def test_the_loader_and_compose_hand_out_the_generator_by_one_rule(image_dataset):
+    """One rule (`transforms.accepts_generator`) for the Loader's transform and for Compose's
+    members: a callable that names `generator` receives the sample's generator alone and inside
+    Compose and draws the same from it; one with a bare **kwargs receives it in neither (it
+    draws from the global RNGs, seeded per sample from the same key: the same draws both ways)."""
+    samples = np.array([5, 31, 12])
+
+    def draws(transform):
+        batch, _ = BatchProducer(image_dataset, seed=2, transform=transform)(BatchTask(1, 3, 0, samples))
+        return batch["draw"]
+
+    expected = torch.stack([torch.rand((), generator=sample_generator(sample_key(2, 3, s)))
+                            for s in samples.tolist()])
+    assert_identical(draws(_named_draw), expected)
+    assert_identical(draws(Compose([_named_draw])), expected)
+    assert_identical(draws(Compose([_kwargs_draw])), draws(_kwargs_draw))
+    assert len(set(draws(_kwargs_draw).tolist())) == len(samples)  # seeded per sample
 
 
 def test_producer_batch_does_not_depend_on_the_batch_it_shares(image_dataset):

@@ -14,7 +14,7 @@ import torch
 from shardloader import Dataset, Loader
 from shardloader.cache.capacity import CacheNeeds, cache_needs, check_limit, largest_footprint
 from shardloader.errors import CacheFullError
-from shardloader.format.writer import write_shards
+from shardloader.ingest.writer import write_shards
 from tests.resume import assert_same_batches, record, take
 from tests.sample_transforms import noisy_crop
 

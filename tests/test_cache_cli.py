@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from shardloader.cache.remote import RemoteSource
 from shardloader.cli.main import main
-from shardloader.format.writer import write_shards
+from shardloader.ingest.writer import write_shards
+from shardloader.source.remote import RemoteSource
 
 
 @pytest.fixture

@@ -3,19 +3,19 @@ node-wide counters and the high-water mark."""
 
 from __future__ import annotations
 
-from shardloader.cache.ledger import Entry, Ledger, Reservation
+from shardloader.cache.ledger import Ledger, LedgerEntry, Reservation
 
 
 def test_records_round_trip_and_forget(tmp_path):
     ledger = Ledger(str(tmp_path))
-    ledger.commit("a", Entry(100, 5.0))
+    ledger.commit("a", LedgerEntry(100, 5.0))
     ledger.reserve("b", Reservation(50, 123, prefetch=True))
-    assert ledger.entries() == {"a": Entry(100, 5.0)}
+    assert ledger.entries() == {"a": LedgerEntry(100, 5.0)}
     assert ledger.atime("a") == 5.0 and ledger.opened_at("a") == 0.0
     assert ledger.reservations() == {"b": Reservation(50, 123, True)}
     ledger.touch("a", 7.0, opened=True)
     assert (ledger.atime("a"), ledger.opened_at("a")) == (7.0, 7.0)
-    ledger.commit("b", Entry(50, 8.0))  # a commit replaces the download's reservation
+    ledger.commit("b", LedgerEntry(50, 8.0))  # a commit replaces the download's reservation
     assert ledger.reservations() == {}
     ledger.forget("a")
     assert ledger.entry("a") is None and ledger.atime("a") == 0.0 and set(ledger.entries()) == {"b"}

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 from shardloader import Dataset, Loader
-from shardloader.format.writer import write_shards
+from shardloader.ingest.writer import write_shards
 from tests.sample_transforms import make_samples, noisy_crop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -20,10 +20,10 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from shardloader.cache.remote import RemoteSource
-from shardloader.cache.store import cache_name
+from shardloader.cache.layout import cache_name
 from shardloader.errors import CacheFullError
-from shardloader.format.writer import write_shards
+from shardloader.ingest.writer import write_shards
+from shardloader.source.remote import RemoteSource
 
 SPAWN = mp.get_context("spawn")
 
@@ -38,7 +38,7 @@ def nine_shards(tmp_path_factory):
 
 def _reader(url, cache, limit, seed, ds, results):
     """Read every shard twice in a seeded order; report mismatches and counters."""
-    from shardloader.dataset import Dataset
+    from shardloader.dataset.sharded import Dataset
 
     dataset = Dataset(ds)  # local copy, only for the index and the expected bytes
     src = RemoteSource(url, cache_dir=cache, cache_limit=limit, chunk_size="16MiB", full_timeout=60)
@@ -121,7 +121,7 @@ def test_three_processes_share_one_cache_of_a_third_of_the_dataset(nine_shards, 
     assert 0 < peak[0] <= limit + 3 * biggest, (peak[0], limit)
     # No shard was downloaded twice at the same time.
     by_path = defaultdict(list)
-    for entry in proxy.log:
+    for entry in proxy.settled():
         if entry.range:
             by_path[entry.path].append((entry.started, entry.ended))
     for path, spans in by_path.items():
@@ -223,7 +223,7 @@ def test_a_worker_forked_during_a_download_or_a_read_holds_no_lock(nine_shards, 
     src = RemoteSource(proxy.url, cache_dir=cache, cache_limit=int(max(s0.bytes, s1.bytes, s2.bytes) * 2.5),
                        chunk_size="4KiB", parallel_ranges=1, full_timeout=0.3)
     p0 = src.local_path(s0)  # pinned by this process
-    before = len(proxy.log)
+    before = len(proxy.settled())  # s0's requests all answered: the count to wait past
     handle = src.start_prefetch(iter([s1]))
     assert proxy.wait_for_requests(before + 2, 30)  # s1's download (and its lock) in progress
     stop = mp.get_context("fork").Event()
@@ -251,7 +251,7 @@ def test_a_worker_forked_during_a_download_or_a_read_holds_no_lock(nine_shards, 
 def _idle_holder(url, cache, limit, ready, done, results):
     """Open three shards through a Dataset (their readers stay open, idle, pinning them), then
     sit idle until told to stop; report this process's counters."""
-    from shardloader.dataset import Dataset
+    from shardloader.dataset.sharded import Dataset
 
     dataset = Dataset(url, cache_dir=cache, cache_limit=limit, max_open_shards=16)
     for sample in (0, 20, 40):

@@ -1,4 +1,4 @@
-"""Reads by byte range from a cold cache (shardloader.cache.ranged), against real servers: rows
+"""Reads by byte range from a cold cache (shardloader.source.ranged), against real servers: rows
 equal those of the whole shard bit for bit, the first batch does not wait for whole shards, the
 cache still ends with whole verified shards, and a remote object that changed after indexing is
 a clear error naming the shard, never wrong rows."""
@@ -17,8 +17,8 @@ import pytest
 from shardloader import Dataset, Loader
 from shardloader.cache.maintenance import verify_all
 from shardloader.errors import ChecksumMismatch, FetchError
-from shardloader.format.indexer import index_dataset
-from shardloader.format.writer import write_shards
+from shardloader.ingest.indexer import index_dataset
+from shardloader.ingest.writer import write_shards
 from tests.proctree import answer_from_fork
 from tests.resume import assert_exact_resume, take
 from tests.sample_transforms import make_samples, noisy_crop
@@ -101,7 +101,7 @@ def _hold_whole_downloads(index, release: threading.Event, held: list[str]):
         wanted = headers.get("Range") or headers.get("range")
         if method == "GET" and name in sizes and wanted == f"bytes=0-{sizes[name] - 1}":
             held.append(name)
-            release.wait(30)
+            release.wait(120)  # the test always sets it (in a finally); the bound is a safety net
         return None
 
     return plan
@@ -238,7 +238,7 @@ def test_range_reads_stop_at_the_budget(arrow_dir, s3_server, s3_url, tmp_path):
 
 
 def test_prefetch_waits_for_the_first_batch_only_when_it_reads_by_range(tmp_path):
-    from shardloader.cache.remote import RemoteSource
+    from shardloader.source.remote import RemoteSource
 
     arrow = write_shards(make_samples(20), tmp_path / "a", shard_samples=10)
     source = RemoteSource("s3://bucket/a", cache_dir=str(tmp_path / "cache"), cache_limit="1GB")
@@ -308,7 +308,7 @@ def test_the_first_batch_is_fetched_once_before_the_workers_start(arrow_dir, s3_
     loader.close()
     shards, _ = ds.index.locate_many(loader.step_samples(0, 0))
     first = {ds.index.shards[s].path for s in np.unique(shards).tolist()}
-    sidecar_gets = [entry.path.rsplit("/", 1)[-1] for entry in proxy.log if entry.path.endswith(".ranges")]
+    sidecar_gets = [entry.path.rsplit("/", 1)[-1] for entry in proxy.settled() if entry.path.endswith(".ranges")]
     # Each sidecar the first batch needs was fetched once, by the training process, and the
     # workers inherited it: none of them asked for it again.
     assert sorted(name for name in sidecar_gets if name[:-len(".ranges")] in first) == sorted(

@@ -13,15 +13,15 @@ import stat
 
 import pytest
 
+from shardloader.cache.layout import cache_name
 from shardloader.cache.ledger import Reservation
 from shardloader.cache.maintenance import usage as usage_of
-from shardloader.cache.remote import RemoteSource
-from shardloader.cache.store import cache_name
-from shardloader.dataset import Dataset
+from shardloader.dataset.sharded import Dataset
 from shardloader.errors import CacheFullError, ShardError
-from shardloader.format.checksum import checksum_file
 from shardloader.format.index import ShardInfo
-from shardloader.format.writer import write_shards
+from shardloader.ingest.writer import write_shards
+from shardloader.io.checksum import checksum_file
+from shardloader.source.remote import RemoteSource
 from tests.fixtures.data import copy_dataset
 
 
@@ -236,7 +236,7 @@ def test_the_cache_limit_does_not_change_what_is_read(six_shards, tmp_path):
         got = []
         for i in order:
             shard, row = index.locate(i)
-            from shardloader.format.reader import open_shard
+            from shardloader.format.registry import open_shard
 
             reader = open_shard(index.shards[shard], remote.local_path(index.shards[shard]))
             got.append(reader.read(row))

@@ -190,6 +190,19 @@ def test_on_busy_skip_drops_the_save_and_counts_it(tmp_path):
         assert ck.steps() == [1]
 
 
+def _waiting_in_save(thread: threading.Thread) -> bool:
+    """Whether `thread` is blocked in a threading wait (an Event, a Condition) that it entered
+    from a Checkpointer's save(): a save waiting for the one in flight."""
+    frame = sys._current_frames().get(thread.ident)
+    calls = []
+    while frame is not None:
+        calls.append((frame.f_code.co_filename, frame.f_code.co_name))
+        frame = frame.f_back
+    checkpoint_dir = os.path.join("shardloader", "checkpoint", "")
+    return (bool(calls) and calls[0][1] == "wait" and calls[0][0] == threading.__file__
+            and any(checkpoint_dir in path and name == "save" for path, name in calls))
+
+
 def test_on_busy_wait_blocks_until_the_previous_save_is_complete(tmp_path):
     gate = Gate("commit")
     with Checkpointer(tmp_path, on_busy="wait", _phase_hook=gate) as ck:
@@ -199,8 +212,13 @@ def test_on_busy_wait_blocks_until_the_previous_save_is_complete(tmp_path):
         result = {}
         saver = threading.Thread(target=lambda: result.setdefault("h", ck.save(2, x=torch.ones(3))))
         saver.start()
-        saver.join(0.3)
-        assert saver.is_alive(), "save() returned while the previous save was in flight"
+        # Release the gate only once save(2) waits for save 1 (a started thread may not be
+        # in save() yet, and a save() called after save 1 ended does not wait at all).
+        deadline = time.monotonic() + 30
+        while not _waiting_in_save(saver):
+            assert saver.is_alive(), "save() returned while the previous save was in flight"
+            assert time.monotonic() < deadline, "save() never waited for the save in flight"
+            time.sleep(0.01)
         assert ck.steps() == []
         gate.release.set()
         saver.join(30)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from shardloader.checkpoint import Checkpointer
-from shardloader.errors import CheckpointError
+from shardloader.errors import CheckpointError, FetchError
+from shardloader.io.retry import RetryPolicy
 from tests.fixtures.checkpoint import FullFileSystem
 from tests.fixtures.servers import Fault
 
@@ -105,8 +106,9 @@ def test_real_disk_full_in_the_staging_writer(tmp_path):
 
 @pytest.mark.parametrize("failing_file", ["state.json", "manifest.json"])
 def test_s3_destination_failing_mid_upload(s3_server, s3_bucket, fault_proxy, tmp_path, failing_file):
-    """PUTs of one file of the second checkpoint die with a TCP reset: the first file of that
-    checkpoint is already uploaded (and the failing object may even have reached the server)."""
+    """PUTs of one file of the second checkpoint die with a TCP reset, every time: the first
+    file of that checkpoint is already uploaded (and the failing object may even have reached
+    the server). The PUT is retried, then the save fails naming the object."""
     armed = {"on": False}
 
     def plan(number, method, path, headers):
@@ -117,15 +119,17 @@ def test_s3_destination_failing_mid_upload(s3_server, s3_bucket, fault_proxy, tm
     proxy = fault_proxy(s3_server.endpoint, plan=plan)
     options = s3_server.storage_options(endpoint=proxy.url, timeout=10)
     url = f"s3://{s3_bucket}/run"
-    ck = Checkpointer(url, staging_dir=tmp_path, storage_options=options, keep=None)
+    ck = Checkpointer(url, staging_dir=tmp_path, storage_options=options, keep=None,
+                      retry=RetryPolicy(attempts=3, base_delay=0.001, max_delay=0.01))
     first = ck.save(1, blob={"x": torch.ones(1000)})
     first.wait()
     armed["on"] = True
     ck.save(2, blob={"x": torch.randn(50_000)})
     with pytest.raises(CheckpointError, match=r"step 2 .*failed during (upload|commit)") as excinfo:
         ck.wait()
-    assert excinfo.value.__cause__ is not None
-    assert any(entry.fault == "reset" for entry in proxy.log)
+    assert isinstance(excinfo.value.__cause__, FetchError)
+    assert f"/{failing_file}: giving up after 3 failed attempts" in str(excinfo.value)
+    assert any(entry.fault == "reset" for entry in proxy.settled())
     assert ck.steps() == [1] and ck.latest() == 1
     keys = [o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_bucket).get("Contents", [])]
     assert keys and all(k.startswith(f"run/{first.id}/") for k in keys), keys

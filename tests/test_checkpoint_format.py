@@ -24,7 +24,7 @@ from shardloader.checkpoint.tensorfile import (
 )
 from shardloader.checkpoint.tree import flatten, unflatten
 from shardloader.errors import CheckpointError
-from shardloader.format.checksum import new_hasher
+from shardloader.io.checksum import new_hasher
 from tests.fixtures.checkpoint import assert_tree_equal
 
 scalars = st.one_of(

@@ -11,18 +11,7 @@ import pytest
 from shardloader import Dataset
 from shardloader.errors import ShardError
 from tests.fixtures.data import copy_dataset
-
-
-def _strip(record: dict) -> dict:
-    return {k: v for k, v in record.items() if k != "__index__"}
-
-
-def _same(a: dict, b: dict) -> bool:
-    if a.keys() != b.keys():
-        return False
-    return all(
-        np.array_equal(a[k], b[k]) if isinstance(b[k], np.ndarray) else a[k] == b[k] for k in b
-    )
+from tests.resume import assert_same_samples
 
 
 @pytest.mark.parametrize("name", ["arrow_dataset", "tar_dataset", "parquet_dataset"])
@@ -31,12 +20,13 @@ def test_len_getitem_get_many(request, name):
     ds = Dataset(fixture)
     n = len(fixture.samples)
     assert len(ds) == n
-    assert _same(_strip(ds[-1]), fixture.samples[-1]) and ds[-1]["__index__"] == n - 1
+    assert_same_samples([ds[-1]], [fixture.samples[-1]], "ds[-1]", skip=["__index__"])
+    assert ds[-1]["__index__"] == n - 1
     rng = np.random.default_rng(0)
     batch = rng.integers(0, n, size=64).tolist() + [0, n - 1, 0]
     got = ds.get_many(batch)
     assert [r["__index__"] for r in got] == batch
-    assert all(_same(_strip(r), fixture.samples[i]) for r, i in zip(got, batch))
+    assert_same_samples(got, [fixture.samples[i] for i in batch], "get_many", skip=["__index__"])
     with pytest.raises(IndexError):
         ds[n]
     ds.close()
@@ -105,7 +95,7 @@ def test_zero_samples_entry_for_a_shard_with_rows_is_an_error_at_open(request, t
 def test_empty_shard_listed_as_empty_is_read_around(parquet_dataset, tmp_path):
     import pyarrow.parquet as pq
 
-    from shardloader.format.indexer import index_dataset
+    from shardloader.ingest.indexer import index_dataset
 
     root = copy_dataset(parquet_dataset, tmp_path)
     table = pq.read_table(f"{root}/part-0.parquet")
@@ -121,7 +111,7 @@ def test_index_without_samples_is_an_error_not_zero_batches(parquet_dataset, tmp
     import pyarrow.parquet as pq
 
     from shardloader.errors import DatasetIndexError
-    from shardloader.format.indexer import index_dataset
+    from shardloader.ingest.indexer import index_dataset
 
     root = tmp_path / "empty"
     root.mkdir()

@@ -11,28 +11,19 @@ import pytest
 
 from shardloader import Dataset, write_shards
 from shardloader.errors import SchemaError, ShardChangedError, ShardError
-from shardloader.format import ipc, writer
+from shardloader.format import ipc
 from shardloader.format.arrow import ArrowShardReader
+from shardloader.ingest import writer
 from tests.fixtures.data import copy_dataset, make_samples
-
-
-def _assert_same(record: dict, sample: dict) -> None:
-    assert record.keys() - {"__index__"} == sample.keys()
-    for field, value in sample.items():
-        if isinstance(value, np.ndarray):
-            assert record[field].dtype == value.dtype
-            assert record[field].tobytes() == value.tobytes()
-        else:
-            assert type(record[field]) is type(value)
-            assert record[field] == value
+from tests.resume import assert_same_samples
 
 
 def test_round_trip_every_sample(arrow_dataset):
     ds = Dataset(arrow_dataset)
     assert len(ds) == len(arrow_dataset.samples) == 200
     assert [s.samples for s in ds.index.shards] == [64, 64, 64, 8]
-    for i, sample in enumerate(arrow_dataset.samples):
-        _assert_same(ds[i], sample)
+    assert_same_samples([ds[i] for i in range(len(arrow_dataset.samples))], arrow_dataset.samples,
+                        skip=["__index__"])
 
 
 def test_reader_values_and_types(arrow_dataset):
@@ -45,7 +36,7 @@ def test_reader_values_and_types(arrow_dataset):
         assert isinstance(record["name"], str)
         assert isinstance(record["vec"], np.ndarray) and record["vec"].shape == (3,)
         assert record["vec"].flags.writeable
-        _assert_same(record, arrow_dataset.samples[64 + 5])
+        assert_same_samples([record], [arrow_dataset.samples[64 + 5]], "read(5)", skip=["__index__"])
 
 
 def test_read_rows_across_record_batches_keeps_order(tmp_path, monkeypatch):
@@ -58,8 +49,7 @@ def test_read_rows_across_record_batches_keeps_order(tmp_path, monkeypatch):
     rows = [59, 0, 13, 13, 7, 6, 58, 21, 0]
     records = reader.read_rows(rows)
     assert [r["name"] for r in records] == [samples[r]["name"] for r in rows]
-    for row, record in zip(rows, records):
-        _assert_same(record, samples[row])
+    assert_same_samples(records, [samples[r] for r in rows], "row", skip=["__index__"])
     assert reader.read_rows([]) == []
     with pytest.raises(IndexError, match="out of range"):
         reader.read_rows([60])

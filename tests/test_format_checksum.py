@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from shardloader.format import checksum
-from shardloader.format.checksum import checksum_bytes, checksum_fd, checksum_file, checksum_stream
+from shardloader.io import checksum
+from shardloader.io.checksum import checksum_bytes, checksum_fd, checksum_file, checksum_stream
 
 _CHUNK = checksum._CHUNK
 

@@ -12,7 +12,7 @@ import pytest
 from shardloader import Dataset
 from shardloader.cli.main import main
 from shardloader.errors import ShardloaderError
-from shardloader.format.convert import class_files, convert, find_classes
+from shardloader.ingest.convert import class_files, convert, find_classes
 from tests.fixtures.data import _jpeg, _png
 
 

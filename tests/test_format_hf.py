@@ -19,9 +19,9 @@ from PIL import Image
 from shardloader import Dataset, Loader
 from shardloader.cli.main import main
 from shardloader.errors import SchemaError, ShardloaderError
-from shardloader.format.convert import convert
-from shardloader.format.indexer import index_dataset
 from shardloader.format.schema import arrow_type, parse_struct_type, type_name
+from shardloader.ingest.convert import convert
+from shardloader.ingest.indexer import index_dataset
 from shardloader.transforms import (
     Compose,
     DecodeCropFlip,
@@ -170,7 +170,7 @@ def test_convert_unstorable_value_names_the_file(tmp_path):
 
 
 def test_write_shards_infers_struct_from_dicts(tmp_path):
-    from shardloader.format.writer import write_shards
+    from shardloader.ingest.writer import write_shards
 
     samples = [{"image": {"bytes": bytes([i]) * 5, "path": f"{i}.jpg"}, "label": i} for i in range(5)]
     index = write_shards(samples, tmp_path / "ds")

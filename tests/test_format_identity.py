@@ -29,11 +29,11 @@ import pytest
 from shardloader import Dataset, Loader
 from shardloader.errors import ShardChangedError, ShardError
 from shardloader.format.arrow import ArrowShardReader
-from shardloader.format.identity import FileGuard, FileIdentity, path_identity
 from shardloader.format.parquet import ParquetShardReader
-from shardloader.format.reader import open_shard
+from shardloader.format.registry import open_shard
 from shardloader.format.tar import TarShardReader
-from shardloader.format.writer import write_shards
+from shardloader.ingest.writer import write_shards
+from shardloader.io.identity import FileGuard, FileIdentity, path_identity
 from tests.fixtures.data import copy_dataset, make_samples
 from tests.resume import record
 

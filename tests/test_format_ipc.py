@@ -15,10 +15,12 @@ import pyarrow as pa
 import pytest
 
 from shardloader import write_shards
-from shardloader.format import ipc, writer
+from shardloader.format import ipc
 from shardloader.format.arrow import ArrowShardReader
 from shardloader.format.schema import BatchRows, schema_names
+from shardloader.ingest import writer
 from tests.fixtures.data import make_samples
+from tests.resume import assert_same_samples
 
 _NUMBERS = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
             "float16", "float32", "float64")
@@ -57,20 +59,6 @@ def _pyarrow_records(path: str, rows: np.ndarray) -> tuple[dict[str, str], list[
         return schema_names(reader.schema), out
 
 
-def _assert_same_records(ours: list[dict], theirs: list[dict]) -> None:
-    assert len(ours) == len(theirs)
-    for a, b in zip(ours, theirs):
-        assert list(a) == list(b)
-        for field in a:
-            x, y = a[field], b[field]
-            assert type(x) is type(y), field
-            if isinstance(x, np.ndarray):
-                assert (x.dtype, x.shape, x.flags.writeable) == (y.dtype, y.shape, y.flags.writeable)
-                assert x.tobytes() == y.tobytes()
-            else:
-                assert x == y
-
-
 def test_every_supported_type_reads_as_pyarrow_reads_it(tmp_path, monkeypatch):
     monkeypatch.setattr(writer, "_BATCH_ROWS", 7)  # many record batches in the shard
     samples = _every_type_samples(50)
@@ -88,7 +76,7 @@ def test_every_supported_type_reads_as_pyarrow_reads_it(tmp_path, monkeypatch):
         assert isinstance(reader._map, mmap.mmap)  # the `ipc` reader, not pyarrow's
         ours = reader.read_rows(rows)
     assert reader._map.closed  # no view of the map outlived the reader
-    _assert_same_records(ours, theirs)
+    assert_same_samples(ours, theirs, "row", writeable=True)
     assert [r["name"] for r in ours] == [samples[r]["name"] for r in rows.tolist()]
 
 

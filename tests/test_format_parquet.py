@@ -12,8 +12,8 @@ import pytest
 
 from shardloader import Dataset
 from shardloader.errors import SchemaError, ShardError
-from shardloader.format.indexer import index_dataset
 from shardloader.format.parquet import ParquetShardReader
+from shardloader.ingest.indexer import index_dataset
 from tests.fixtures.data import copy_dataset
 
 
@@ -125,7 +125,7 @@ def test_null_values_are_an_error_naming_file_row_and_field(parquet_dataset, tmp
 
 
 def test_verify_lists_fields_with_nulls(parquet_dataset, tmp_path):
-    from shardloader.format.verify import verify_dataset
+    from shardloader.ingest.verify import verify_dataset
 
     root, path = _with_nulls(parquet_dataset, tmp_path)
     assert verify_dataset(root) == [

@@ -9,20 +9,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardloader.errors import SchemaError, ShardError
-from shardloader.format import ranges as ranges_module
-from shardloader.format.checksum import checksum_file
+from shardloader.format import arrow_ranges as ranges_module
 from shardloader.format.index import ShardInfo
-from shardloader.format.indexer import index_dataset
-from shardloader.format.ranges import (
-    RANGES_KEY,
-    RangeTable,
-    rows_from_spans,
-    span_hash,
-    table_of_file,
-)
-from shardloader.format.reader import open_shard
+from shardloader.format.ranges import RANGES_KEY, RangeTable, span_hash
+from shardloader.format.registry import open_shard, rows_from_spans, table_of_file
 from shardloader.format.tar import load_offsets
-from shardloader.format.writer import write_shards
+from shardloader.ingest.indexer import index_dataset
+from shardloader.ingest.writer import write_shards
+from shardloader.io.checksum import checksum_file
+from tests.resume import assert_same_samples
 
 ROWS = [5, 0, 299, 17, 5, 150, 298]  # any order, repeats, both ends
 
@@ -34,20 +29,6 @@ def _arrow_samples(n: int):
                "f": float(i) / 3, "flag": bool(i % 3), "u8": np.uint8(i % 256),
                "t": np.full((2, 3), i, np.float32),
                "st": {"bytes": rng.bytes(int(rng.integers(1, 20))), "path": f"p{i}"}}
-
-
-def _same(a: dict, b: dict) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for key in a:
-        x, y = a[key], b[key]
-        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-            if not (isinstance(x, np.ndarray) and isinstance(y, np.ndarray) and x.dtype == y.dtype
-                    and x.shape == y.shape and x.tobytes() == y.tobytes()):
-                return False
-        elif type(x) is not type(y) or x != y:
-            return False
-    return True
 
 
 def _by_range(table: RangeTable, path: str, rows, tar=None) -> list[dict]:
@@ -75,12 +56,12 @@ def test_rows_by_range_equal_rows_of_the_whole_shard(tmp_path, fmt):
     tar = load_offsets(path, info) if fmt == "tar" else None
     got = _by_range(table, path, ROWS, tar)
     want = open_shard(info, path, index.schema).read_rows(ROWS)
-    assert len(got) == len(want) and all(_same(a, b) for a, b in zip(got, want))
+    assert_same_samples(got, want, "row")
     assert table.needed_bytes(table.needed(ROWS)) < info.bytes / 4  # only what the rows need
 
 
 def test_arrow_rows_across_record_batches(tmp_path, monkeypatch):
-    monkeypatch.setattr("shardloader.format.writer._BATCH_ROWS", 64)
+    monkeypatch.setattr("shardloader.ingest.writer._BATCH_ROWS", 64)
     index = write_shards(_arrow_samples(300), tmp_path / "ds", shard_samples=300)
     info = index.shards[0]
     path = str(tmp_path / "ds" / info.path)
@@ -88,14 +69,14 @@ def test_arrow_rows_across_record_batches(tmp_path, monkeypatch):
     assert len(table.group_rows) - 1 == 5
     got = _by_range(table, path, ROWS)
     want = open_shard(info, path, index.schema).read_rows(ROWS)
-    assert all(_same(a, b) for a, b in zip(got, want))
+    assert_same_samples(got, want, "row")
 
 
 def test_arrow_rows_by_range_are_read_without_pyarrow_and_equal_its_values(tmp_path, monkeypatch):
     """Rows of a shard of the types `shardloader.format.ipc` reads are rebuilt by it (pyarrow
     would cost a worker's cold first batch its import), equal to pyarrow's values bit for bit;
     the image it reads holds only the spans the rows need, zeros elsewhere."""
-    monkeypatch.setattr("shardloader.format.writer._BATCH_ROWS", 64)
+    monkeypatch.setattr("shardloader.ingest.writer._BATCH_ROWS", 64)
     rng = np.random.default_rng(1)
     samples = [{"data": rng.bytes(int(rng.integers(0, 600))), "label": i, "text": "é" * (i % 9),
                 "f": float(i) / 3, "u8": np.uint8(i % 256), "t": np.full((2, 3), i, np.float32)}
@@ -105,11 +86,12 @@ def test_arrow_rows_by_range_are_read_without_pyarrow_and_equal_its_values(tmp_p
     path = str(tmp_path / "ds" / info.path)
     table = table_of_file(path, "arrow")
     with monkeypatch.context() as m:  # pyarrow's `BatchRows` over the same image
-        m.setattr("shardloader.format.ranges._arrow_rows", lambda *a: None)
+        m.setattr("shardloader.format.arrow_ranges._arrow_rows", lambda *a: None)
         want = _by_range(table, path, ROWS)
     monkeypatch.setattr("pyarrow.ipc.open_file", lambda *a, **k: pytest.fail("read with pyarrow"))
     got = _by_range(table, path, ROWS)
-    assert len(got) == len(ROWS) and all(_same(a, b) for a, b in zip(got, want))
+    assert len(got) == len(ROWS)
+    assert_same_samples(got, want, "row")
     assert [r["label"] for r in got] == ROWS
     assert all(r["t"].flags.writeable for r in got)
 
@@ -161,7 +143,7 @@ def test_parquet_entry_sizes(tmp_path):
 
 
 def test_verify_names_a_damaged_range_sidecar(tmp_path):
-    from shardloader.format.verify import verify_dataset
+    from shardloader.ingest.verify import verify_dataset
 
     index = write_shards(({"v": bytes(i)} for i in range(10)), tmp_path / "ds")
     assert verify_dataset(str(tmp_path / "ds")) == []

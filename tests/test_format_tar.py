@@ -13,14 +13,9 @@ import webdataset as wds
 
 from shardloader import Dataset, write_shards
 from shardloader.errors import SchemaError, ShardError, UnsafePathError
-from shardloader.format.indexer import index_dataset
-from shardloader.format.tar import (
-    TarShardReader,
-    TarShardWriter,
-    scan_tar,
-    sidecar_path,
-    split_member_name,
-)
+from shardloader.format.tar import TarShardReader, scan_tar, sidecar_path, split_member_name
+from shardloader.format.tar_writer import TarShardWriter
+from shardloader.ingest.indexer import index_dataset
 from tests.fixtures.data import copy_dataset, make_samples
 
 

@@ -14,10 +14,11 @@ import torch
 import webdataset as wds
 
 from shardloader import Dataset, Loader
-from shardloader.format.convert import convert
-from shardloader.format.indexer import index_dataset
 from shardloader.format.wds_decode import FieldDecodeError, decode_record, decoded_fields
+from shardloader.ingest.convert import convert
+from shardloader.ingest.indexer import index_dataset
 from tests.fixtures.data import _jpeg
+from tests.resume import assert_same_samples
 
 
 def _records(n: int, shard: int) -> list[dict]:
@@ -54,27 +55,13 @@ def _strip(record: dict) -> dict:
     return {k: v for k, v in record.items() if k not in ("__index__", "__url__", "__local_path__")}
 
 
-def _same(a: dict, b: dict) -> bool:
-    if a.keys() != b.keys():
-        return False
-    for key in a:
-        if isinstance(a[key], np.ndarray) or isinstance(b[key], np.ndarray):
-            if not (isinstance(a[key], np.ndarray) and isinstance(b[key], np.ndarray)
-                    and a[key].dtype == b[key].dtype and np.array_equal(a[key], b[key])):
-                return False
-        elif type(a[key]) is not type(b[key]) or a[key] != b[key]:
-            return False
-    return True
-
-
 def test_decoded_like_webdataset_decode(wds_folder):
     urls = [str(wds_folder / f"part-{s}.tar") for s in range(2)]
     theirs = [_strip(s) for s in wds.WebDataset(urls, shardshuffle=False, empty_check=False).decode()]
     ds = Dataset(wds_folder)
     ours = [_strip(r) for r in ds.get_many(range(len(ds)))]
     assert len(ours) == len(theirs) == 24
-    for mine, reference in zip(ours, theirs):
-        assert _same(mine, reference), (mine, reference)
+    assert_same_samples(ours, theirs, "record", key_order=False)  # webdataset puts __key__ first
     first = ds[0]
     assert first["cls"] == 0 and type(first["cls"]) is int
     assert first["txt"] == "caption 0 — ünïcode" and first["seg.txt"] == "segment 0"

@@ -25,9 +25,9 @@ from shardloader.errors import (
     UnsafePathError,
 )
 from shardloader.format.index import INDEX_NAME, Index
-from shardloader.format.indexer import index_dataset
-from shardloader.format.verify import verify_dataset
-from shardloader.source import load_index
+from shardloader.ingest.indexer import index_dataset
+from shardloader.ingest.verify import verify_dataset
+from shardloader.source.index import load_index
 from tests.fixtures.data import copy_dataset
 
 

@@ -14,7 +14,7 @@ import torch
 
 from shardloader import Dataset, Loader
 from shardloader.errors import StateError, WorkerError
-from shardloader.format.writer import write_shards
+from shardloader.ingest.writer import write_shards
 from shardloader.order import ORDER_VERSION
 from tests.resume import assert_exact_resume, record, take
 from tests.sample_transforms import make_samples as _samples

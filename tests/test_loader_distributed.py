@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from shardloader import Dataset, Loader
-from shardloader.format.writer import write_shards
+from shardloader.ingest.writer import write_shards
 from tests.sample_transforms import make_samples, noisy_crop
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

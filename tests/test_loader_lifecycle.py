@@ -24,7 +24,7 @@ import pytest
 
 from shardloader import Dataset, Loader
 from shardloader.errors import StateError, WorkerError
-from shardloader.format.writer import write_shards
+from shardloader.ingest.writer import write_shards
 from tests.proctree import Proc, alive, descendants, wait_gone
 from tests.resume import assert_exact_epoch_loop_resume, epoch_loop, take
 from tests.sample_transforms import make_samples as _samples

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from shardloader.cache.remote import RemoteSource
 from shardloader.errors import FetchError
 from shardloader.format.index import ShardInfo
-from shardloader.format.writer import write_shards
-from shardloader.source import LocalSource
+from shardloader.ingest.writer import write_shards
+from shardloader.source.local import LocalSource
+from shardloader.source.remote import RemoteSource
 
 WAIT = 30.0
 
@@ -110,7 +110,7 @@ def test_after_resume_it_starts_at_the_resumed_position(nine_shards, served, tmp
     resumed = index.shards[5:] + index.shards[:2]  # the rest of the epoch, in order of need
     handle = src.start_prefetch(iter(resumed))
     assert handle.wait(WAIT)
-    requested = [e.path.rsplit("/", 1)[-1] for e in proxy.log]
+    requested = [e.path.rsplit("/", 1)[-1] for e in proxy.settled()]
     assert requested == [s.path for s in resumed]
 
 
@@ -206,8 +206,8 @@ def test_prefetch_never_evicts_what_no_reader_opened_and_backs_off_while_a_reade
     # A reader waiting for room (the pressure signal is fresh) makes every prefetch back off.
     src.local_path(s[1])
     src.release(s[1])
-    store.pressure.raise_()
     fetch3, comp3 = src.plan(s[3])
+    store.pressure.raise_()  # fresh for RECENT_SECONDS (0.5 s): nothing else before the ensure
     with pytest.raises(CacheFullError, match="a reader is waiting for room"):
         store.ensure(s[3], fetch3, comp3)
     assert not present(src, [s[3]])[0]

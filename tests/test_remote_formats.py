@@ -9,11 +9,8 @@ import warnings
 import pytest
 
 from shardloader import Dataset
-from shardloader.dataset import INDEX_FIELD
-
-
-def strip(record):
-    return {k: v for k, v in record.items() if k != INDEX_FIELD}
+from shardloader.dataset.sharded import INDEX_FIELD
+from tests.resume import assert_same_samples
 
 
 @pytest.mark.parametrize("name", ["arrow_dataset", "tar_dataset", "parquet_dataset"])
@@ -25,15 +22,7 @@ def test_remote_reads_equal_the_samples(name, request, http_server, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a tar sidecar that does not verify would warn
         got = ds.get_many(order)
-    for i, record in zip(order, got):
-        record = strip(record)
-        expected = fixture.samples[i]
-        assert set(record) == set(expected), name
-        for key, value in expected.items():
-            if hasattr(value, "tobytes"):
-                assert record[key].tobytes() == value.tobytes()
-            else:
-                assert record[key] == value
+    assert_same_samples(got, [fixture.samples[i] for i in order], name, skip=[INDEX_FIELD])
     ds.close()
 
 

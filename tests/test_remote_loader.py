@@ -9,7 +9,7 @@ import pytest
 
 from shardloader import Dataset, Loader
 from shardloader.errors import FetchError
-from shardloader.format.writer import write_shards
+from shardloader.ingest.writer import write_shards
 from tests.fixtures.servers import Fault, seeded
 from tests.resume import assert_exact_resume, take
 from tests.sample_transforms import make_samples, noisy_crop
@@ -77,7 +77,7 @@ def test_an_epoch_with_faults_on_10_percent_of_requests_is_exact(dataset_dir, re
     run.dataset.source.chunk_size = 1024  # ~40 range requests instead of 11
     assert take(run, BATCHES) == reference
     # The plan's seed puts faults on requests 3, 15, 17, 18 and 24 (whatever they carry).
-    assert len(proxy.log) >= 25 and len(proxy.faults()) >= 5
+    assert len(proxy.settled()) >= 25 and len(proxy.faults()) >= 5
     run.close()
 
 

@@ -17,14 +17,10 @@ from matplotlib.image import imread
 from shardloader.cli import main as cli_main
 from shardloader.cli import report as cli
 from shardloader.telemetry import BatchRecord, JsonlLogger, MLflowLogger, TelemetryInputError
+from shardloader.telemetry.analysis import analyse
+from shardloader.telemetry.history import records_from_jsonl, records_from_mlflow
 from shardloader.telemetry.records import LOGGABLE_FIELDS
-from shardloader.telemetry.report import (
-    analyse,
-    plot,
-    records_from_jsonl,
-    records_from_mlflow,
-    render_text,
-)
+from shardloader.telemetry.render import plot, render_text
 
 
 def scenario(n: int = 200, *, compute: float = 0.02, fetch=lambda i: 0.0, read=0.001,

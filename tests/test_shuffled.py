@@ -12,9 +12,9 @@ import pytest
 
 from shardloader import Dataset
 from shardloader.errors import ShardloaderError
-from shardloader.format.convert import convert
-from shardloader.format.shuffled import write_permutation
-from shardloader.format.writer import write_shards
+from shardloader.ingest.convert import convert
+from shardloader.ingest.shuffled import write_permutation
+from shardloader.ingest.writer import write_shards
 
 
 def _samples(n: int) -> list[dict]:

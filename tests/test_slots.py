@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from shardloader.loader import slots
-from shardloader.loader.slots import SlotReader, SlotWriter
+from shardloader.loader.workers import slots
+from shardloader.loader.workers.slots import SlotReader, SlotWriter
 from tests.resume import assert_identical
 
 

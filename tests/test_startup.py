@@ -7,8 +7,8 @@ import gc
 import pytest
 
 from shardloader import Dataset, Loader
-from shardloader.format.writer import write_shards
-from shardloader.startup import paused_gc
+from shardloader.ingest.writer import write_shards
+from shardloader.runtime.startup import paused_gc
 from tests.sample_transforms import make_samples, noisy_crop
 
 
@@ -57,7 +57,7 @@ def test_user_code_never_runs_with_the_collector_paused(dataset_dir, gc_enabled,
 def test_building_a_dataset_pauses_the_collector_and_restores_it(dataset_dir, gc_enabled, monkeypatch):
     """A remote Dataset imports the cache stack and loads the index on the path to the first
     batch: a full collection there cost ~80 ms of a cold first batch (benchmarks.speed)."""
-    import shardloader.dataset as dataset_module
+    import shardloader.dataset.sharded as dataset_module
 
     during = []
     real = dataset_module.load_index

@@ -11,11 +11,12 @@ import pytest
 from mlflow import MlflowClient
 
 from shardloader.cli import main as cli_main
-from shardloader.dataset import Dataset
-from shardloader.format.writer import write_shards
+from shardloader.dataset.sharded import Dataset
+from shardloader.ingest.writer import write_shards
 from shardloader.loader import Loader
 from shardloader.telemetry import JsonlLogger, MLflowLogger, MultiSink, read_jsonl
-from shardloader.telemetry.report import analyse, records_from_jsonl
+from shardloader.telemetry.analysis import analyse
+from shardloader.telemetry.history import records_from_jsonl
 from tests.fixtures.data import make_samples
 
 STEP_SECONDS = 0.002  # stands in for the training step's compute

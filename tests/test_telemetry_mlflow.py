@@ -21,12 +21,13 @@ import mlflow
 import pytest
 from mlflow import MlflowClient
 
-from shardloader.dataset import Dataset
-from shardloader.format.writer import write_shards
+from shardloader.dataset.sharded import Dataset
+from shardloader.ingest.writer import write_shards
 from shardloader.loader import Loader
 from shardloader.telemetry import BatchRecord, MLflowLogger
-from shardloader.telemetry.mlflow_logger import DEFAULT_FIELDS, LOGGABLE_FIELDS
+from shardloader.telemetry.mlflow.logger import DEFAULT_FIELDS, LOGGABLE_FIELDS
 from tests.fixtures.data import make_samples
+from tests.proctree import Proc, alive, descendants, wait_gone
 
 T0 = 1_790_000_000.0
 
@@ -223,7 +224,7 @@ def test_hanging_server_with_writer_process_is_killed_on_close(hanging_tracking_
 BATCHES = 150  # timed batches per pass (one more is delivered before the clock starts)
 STEP_SECONDS = 0.002  # stands in for the training step
 SPEED_RATIO = 1.5  # generous: the 2-core test machine is shared; blocking would cost far more
-LOGGER_NAME = "shardloader.telemetry.mlflow_logger"
+LOGGER_NAME = "shardloader.telemetry.mlflow.logger"
 
 
 @pytest.fixture
@@ -346,48 +347,6 @@ TRAINER = textwrap.dedent("""
 """)
 
 
-def _children() -> dict[int, list[int]]:
-    tree: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rfind(")") + 2:].split()[1])
-        tree.setdefault(ppid, []).append(int(name))
-    return tree
-
-
-def descendants(pid: int) -> set[int]:
-    tree, out, todo = _children(), set(), [pid]
-    while todo:
-        for child in tree.get(todo.pop(), []):
-            if child not in out:
-                out.add(child)
-                todo.append(child)
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2] not in "ZX"
-
-
-def cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read()
-    except OSError:
-        return b""
-
-
 def socket_links(pid: int) -> set[str]:
     links = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -403,14 +362,14 @@ def test_sigkilled_trainer_leaves_no_writer_and_its_run_is_marked_failed(mlflow_
     experiment = f"killed-trainer-{uuid.uuid4().hex[:8]}"
     trainer = subprocess.Popen([sys.executable, "-c", TRAINER, mlflow_server, experiment],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    tree: set[int] = set()
+    tree: list[Proc] = []
     try:
         ready, _, _ = select.select([trainer.stdout], [], [], 120)
         assert ready, "the trainer did not start"
         info = json.loads(trainer.stdout.readline())
         tree = descendants(trainer.pid)
-        writers = [pid for pid in tree if b"shardloader.telemetry._mlflow_writer" in cmdline(pid)]
-        assert len(writers) == 1 and info["worker"] in tree, (tree, writers)
+        writers = [p for p in tree if "shardloader.telemetry.mlflow.writer" in p.cmdline]
+        assert len(writers) == 1 and info["worker"] in [p.pid for p in tree], (tree, writers)
         # The worker forked after the writer started does not hold the trainer's socket end.
         assert f"socket:[{info['socket']}]" in socket_links(trainer.pid)
         assert f"socket:[{info['socket']}]" not in socket_links(info["worker"])
@@ -418,16 +377,14 @@ def test_sigkilled_trainer_leaves_no_writer_and_its_run_is_marked_failed(mlflow_
         assert client.get_run(info["run_id"]).info.status == "RUNNING"
         trainer.kill()  # SIGKILL: no cleanup runs in the trainer
         trainer.wait(30)
-        deadline = time.monotonic() + 10
-        while any(alive(pid) for pid in tree) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [pid for pid in tree if alive(pid)], "processes outlived the trainer"
+        left = wait_gone(tree, 10)  # (pid, start time): a recycled pid is not a survivor
+        assert not left, f"processes outlived the trainer: {[p.describe() for p in left]}"
     finally:
         trainer.kill()
         trainer.wait(30)
-        for pid in tree:  # what the trainer started, should the test have failed
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        for p in tree:  # what the trainer started, should the test have failed
+            if alive(p):
+                os.kill(p.pid, signal.SIGKILL)
     # The next logger in the experiment finds the dead trainer's run and marks it FAILED.
     assert client.get_run(info["run_id"]).info.status == "RUNNING"
     logger = MLflowLogger(tracking_uri=mlflow_server, experiment=experiment, process=False)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from shardloader.telemetry.owner import TAG_OWNER, owner_is_gone, owner_tags
+from shardloader.telemetry.mlflow.owner import TAG_OWNER, owner_is_gone, owner_tags
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

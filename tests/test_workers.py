@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from shardloader import Dataset, Loader
-from shardloader.format.writer import write_shards
-from shardloader.loader import slots, workers
+from shardloader.ingest.writer import write_shards
 from shardloader.loader.batches import BatchTask
+from shardloader.loader.workers import pool as workers
+from shardloader.loader.workers import slots
 from tests.resume import assert_identical
 from tests.sample_transforms import make_samples, noisy_crop
 
@@ -65,7 +66,7 @@ def cyclic_garbage(sample):
 
 
 def test_workers_collect_cyclic_garbage(dataset_dir, gc_enabled):
-    """Workers fork while the loader starts, with the collector paused (shardloader.startup); they
+    """Workers fork while the loader starts, with the collector paused (shardloader.runtime.startup); they
     must switch it back on, or each of these 300 samples' 1 MB would stay in its worker."""
     loader = make(dataset_dir, transform=cyclic_garbage, shuffle=False)
     try:

@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING, Any
 from shardloader._version import __version__
 
 if TYPE_CHECKING:
-    from shardloader.dataset import Dataset
-    from shardloader.format.writer import write_shards
+    from shardloader.dataset.sharded import Dataset
+    from shardloader.ingest.writer import write_shards
     from shardloader.loader import Loader
     from shardloader.loader.node import LoaderNode
 
 _EXPORTS = {
-    "Dataset": "shardloader.dataset",
+    "Dataset": "shardloader.dataset.sharded",
     "Loader": "shardloader.loader",
     "LoaderNode": "shardloader.loader.node",
-    "write_shards": "shardloader.format.writer",
+    "write_shards": "shardloader.ingest.writer",
 }
 
 __all__ = ["Dataset", "Loader", "LoaderNode", "__version__", "write_shards"]

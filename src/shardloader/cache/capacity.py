@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardloader.errors import CacheFullError
+from shardloader.format.registry import shard_format
 from shardloader.units import format_size
 
 
@@ -52,7 +53,8 @@ class CacheNeeds:
 def shard_footprint(info: Any) -> int:
     """Bytes a shard takes in the cache: its file and the companion files stored with it."""
     size = int(info.bytes)
-    offsets = info.extra.get("offsets") if info.format == "tar" else None
+    companion = shard_format(info.format).companion
+    offsets = info.extra.get(companion.key) if companion is not None else None
     if isinstance(offsets, dict) and isinstance(offsets.get("bytes"), int):
         size += max(0, offsets["bytes"])
     return size

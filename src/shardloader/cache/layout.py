@@ -23,14 +23,16 @@ from dataclasses import dataclass
 
 from shardloader.cache.locks import make_private_dir
 from shardloader.errors import ShardError
-from shardloader.format.checksum import parse_checksum
-from shardloader.format.index import SHARD_FORMATS, ShardInfo
+from shardloader.format.index import ShardInfo
+from shardloader.format.registry import FORMATS
+from shardloader.io.checksum import parse_checksum
 
 ALGORITHMS = ("xxh3_128", "blake2b")
-COMPANION_SUFFIXES = (".idx",)  # files kept next to a shard (a tar's offsets sidecar)
+#: Files kept next to a shard: the formats' companion sidecars (a tar's offsets).
+COMPANION_SUFFIXES = tuple(f.companion.suffix for f in FORMATS.values() if f.companion is not None)
 _NAME = re.compile(
     r"^(?P<algorithm>" + "|".join(ALGORITHMS) + r")-(?P<digest>[0-9a-f]{16,128})"
-    r"\.(?P<format>" + "|".join(SHARD_FORMATS) + r")$"
+    r"\.(?P<format>" + "|".join(FORMATS) + r")$"
 )
 _TEMP = re.compile(r"^(?P<name>[^/]+)\.(?P<pid>\d+)\.(?P<token>[0-9a-f]+)\.part$")
 
@@ -67,13 +69,13 @@ def temp_owner(entry: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class Layout:
+class CacheLayout:
     """The directories of a cache at `root` (created owner-only) and the paths inside them."""
 
     root: str
 
     @classmethod
-    def create(cls, root: str | os.PathLike[str]) -> Layout:
+    def create(cls, root: str | os.PathLike[str]) -> CacheLayout:
         layout = cls(os.path.abspath(os.fspath(root)))
         for d in (layout.root, layout.data_dir, layout.tmp_dir, layout.lock_dir, layout.index_dir):
             make_private_dir(d)

@@ -1,17 +1,17 @@
 """The cache's ledger: what the node cache holds, reserves and did, in a diskcache database.
 
 The ledger is bookkeeping, not truth: the files under `data/` are the truth, and
-`maintenance.reconcile` makes the ledger agree with them when a process first opens the cache.
+`reconcile.reconcile` makes the ledger agree with them when a process first opens the cache.
 Every read and write of the database goes through this class, with typed records:
 
-* `Entry` per committed shard (bytes with companions, creation time), plus its last access time
-  (LRU order) and its last reader open (the prefetcher's signal that a shard was consumed);
+* `LedgerEntry` per committed shard (bytes with companions, creation time), plus its last access
+  time (LRU order) and its last reader open (the prefetcher's signal that a shard was consumed);
 * `Reservation` per download in flight (bytes, downloader pid, whether it is a prefetch); valid
-  only while the shard's download lock is held (the store drops stale ones);
+  only while the shard's download lock is held (making room drops stale ones, see `room.py`);
 * node-wide counters (downloads, re-downloads of shards evicted earlier, evictions) and the
   high-water mark of committed plus reserved bytes, which proves the limit held.
 
-Writers that change sizes or reservations hold the bookkeeping lock (see `store.py`); the
+Writers that change sizes or reservations hold the bookkeeping lock (see `locks.py`); the
 database itself is safe for many processes (sqlite).
 """
 
@@ -65,7 +65,7 @@ NODE_COUNTERS = ("downloads", "redownloads", "evictions", "bytes_downloaded")
 
 
 @dataclass(frozen=True)
-class Entry:
+class LedgerEntry:
     """A committed shard: its bytes (companion files included) and when it was committed."""
 
     bytes: int
@@ -102,20 +102,20 @@ class Ledger:
                 yield key[len(prefix):], self._db.get(key)
 
     # -- committed shards ----------------------------------------------------------------------
-    def entries(self) -> dict[str, Entry]:
+    def entries(self) -> dict[str, LedgerEntry]:
         out = {}
         for name, value in self._scan(_ENTRY):
             if isinstance(value, dict) and _int(value.get("bytes")) is not None:
-                out[name] = Entry(value["bytes"], float(value.get("created", 0.0)))
+                out[name] = LedgerEntry(value["bytes"], float(value.get("created", 0.0)))
         return out
 
-    def entry(self, name: str) -> Entry | None:
+    def entry(self, name: str) -> LedgerEntry | None:
         value = self._db.get(_key(_ENTRY, name))
         if isinstance(value, dict) and _int(value.get("bytes")) is not None:
-            return Entry(value["bytes"], float(value.get("created", 0.0)))
+            return LedgerEntry(value["bytes"], float(value.get("created", 0.0)))
         return None
 
-    def commit(self, name: str, entry: Entry) -> None:
+    def commit(self, name: str, entry: LedgerEntry) -> None:
         """Record a committed shard (replacing its reservation), accessed now."""
         self._db.set(_key(_ENTRY, name), {"bytes": entry.bytes, "created": entry.created})
         self._db.set(_key(_ATIME, name), entry.created)

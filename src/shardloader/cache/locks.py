@@ -130,7 +130,7 @@ def try_exclusive(path: str) -> int | None:
         return None
 
 
-def pin(path: str) -> int | None:
+def pin_file(path: str) -> int | None:
     """A descriptor holding a shared flock on the file now at `path`, or None if there is none
     (absent, or evicted/replaced between open and lock)."""
     try:

@@ -1,68 +1,22 @@
-"""Whole-cache maintenance: make the ledger agree with the files, report usage, prune, verify.
+"""Whole-cache maintenance (the `shardloader cache` commands): report usage, prune, verify.
 
 All of it is safe while training processes use the cache: it takes the same kernel-held locks
-as readers and downloaders (see `store.py`), skips pinned shards and downloads in progress, and
-never removes a file a process is reading.
+as readers and downloaders (see `store.py` and `room.py`), skips pinned shards and downloads in
+progress, and never removes a file a process is reading. Making the ledger agree with the files
+is `reconcile.py`, which the store runs when it opens its ledger.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 from collections.abc import Iterator
 
-from shardloader.cache.layout import COMPANION_SUFFIXES, parse_cache_name, temp_owner
-from shardloader.cache.ledger import Entry, Ledger
-from shardloader.cache.locks import close_fd, held_elsewhere, open_fd
-from shardloader.cache.store import ShardCache, hash_file, remove_temps
-
-
-def reconcile(cache: ShardCache, ledger: Ledger) -> None:
-    """Make `ledger` agree with the files of `cache`: add shards it lacks (a process killed
-    between rename and bookkeeping), drop entries whose file is gone, remove companion files
-    whose shard is gone, and remove temp files whose downloader is dead. Runs once per process,
-    when the cache opens its ledger."""
-    layout = cache.layout
-    with cache.bookkeeping():
-        present: dict[str, os.stat_result] = {}
-        for name, path in layout.data_files():
-            with contextlib.suppress(FileNotFoundError):
-                present[name] = os.stat(path)
-        known = ledger.entries()
-        for name in known:
-            if name not in present:
-                ledger.forget(name)
-        added = 0
-        for name, st in present.items():
-            if name not in known:
-                size = st.st_size
-                for suffix in COMPANION_SUFFIXES:
-                    with contextlib.suppress(FileNotFoundError):
-                        size += os.stat(layout.path_of(name) + suffix).st_size
-                ledger.commit(name, Entry(size, st.st_mtime))
-                added += size
-        if added:
-            ledger.note_usage(sum(e.bytes for e in ledger.entries().values()))
-        for name, path in layout.companion_files():
-            if not os.path.exists(layout.path_of(name)) and not held_elsewhere(layout.lock_of(name)):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-    for entry in os.listdir(layout.tmp_dir):
-        name = temp_owner(entry)
-        if name is None:
-            continue
-        try:
-            fd = open_fd(layout.lock_of(name), os.O_RDWR | os.O_CREAT)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            remove_temps(layout, name)
-        except BlockingIOError:
-            pass  # being downloaded right now
-        finally:
-            close_fd(fd)
+from shardloader.cache.layout import COMPANION_SUFFIXES, parse_cache_name
+from shardloader.cache.locks import close_fd, open_fd
+from shardloader.cache.room import make_room
+from shardloader.cache.shard_files import hash_file
+from shardloader.cache.store import ShardCache
 
 
 def usage(cache: ShardCache) -> dict[str, int]:
@@ -93,7 +47,7 @@ def prune(cache: ShardCache, target: int) -> dict[str, int]:
     remaining = None
     with cache.bookkeeping():
         if target < cache.limit:
-            shortage = cache.make_room("", cache.limit - max(0, target))
+            shortage = make_room(cache, "", cache.limit - max(0, target))
             remaining = shortage.total if shortage is not None else None
     if remaining is None:
         remaining = sum(e.bytes for e in ledger.entries().values())

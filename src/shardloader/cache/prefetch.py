@@ -31,10 +31,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from shardloader.cache.fetch import FetchCancelled
-from shardloader.cache.store import Companion, Fetch, ShardCache, cache_name
+from shardloader.cache.download import Companion, Fetch
+from shardloader.cache.layout import cache_name
+from shardloader.cache.store import ShardCache
 from shardloader.errors import CacheFullError, ShardloaderError
 from shardloader.format.index import ShardInfo
+from shardloader.io.retry import FetchCancelled
 
 log = logging.getLogger(__name__)
 

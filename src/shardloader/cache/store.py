@@ -1,8 +1,10 @@
 """The node's shard cache: one directory on local disk shared by every process on the node.
 
-This module is the reader side: pins, verification, downloads and room. The directory layout
-is in `layout.py`, the locks in `locks.py`, the bookkeeping in `ledger.py`, and whole-cache
-maintenance (`usage`, `prune`, `verify_all`, `reconcile`) in `maintenance.py`.
+This module is the reader side: pins, verification and one downloader per shard. The directory
+layout is in `layout.py`, the locks in `locks.py`, the bookkeeping in `ledger.py` (made to agree
+with the files by `reconcile.py`), downloading into temp files and renaming them into place in
+`download.py`, reserving room and eviction in `room.py`, and whole-cache maintenance (`usage`,
+`prune`, `verify_all`) in `maintenance.py`.
 
 Rules that make the cache trustworthy (design invariant I6):
 
@@ -20,14 +22,11 @@ Rules that make the cache trustworthy (design invariant I6):
   inode, size or mtime changed), so a file damaged since an earlier check is caught, removed and
   fetched again.
 * Space: committed shards plus reservations of downloads in flight never exceed `limit`.
-  Reservations are valid only while their shard's download lock is held, so a dead
-  downloader's reservation is dropped by the next eviction pass. Eviction removes the least
-  recently used unpinned shards. When pinned shards leave no room, idle readers give up their
-  pins: this process's at once (the releasers its reader pool registered), other processes'
-  through the pressure signal, while the reader waits a bounded time (`full_timeout`). Prefetch
-  never takes room a waiting reader needs: it backs off while a reader waits, and its
-  reservations stay below `limit - reader_reserve`. Only when pins that nobody can give up
-  leave no room does `CacheFullError` say so, never a hang.
+  `room.py` reserves room for each download, evicting least recently used unpinned shards;
+  when pinned shards leave no room, idle readers give up their pins (in this process and, via
+  the pressure signal, in others) while the reader waits a bounded time, and prefetch never
+  takes room a waiting reader needs. Only when pins that nobody can give up leave no room does
+  `CacheFullError` say so, never a hang.
 """
 
 from __future__ import annotations
@@ -39,32 +38,20 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from shardloader.cache.fetch import FetchStats
-from shardloader.cache.layout import COMPANION_SUFFIXES, Layout, cache_name, parse_cache_name
-from shardloader.cache.ledger import Entry, Ledger, Reservation
-from shardloader.cache.locks import (
-    FILE_MODE,
-    after_fork_in_child,
-    close_fd,
-    exclusive,
-    held_elsewhere,
-    pin,
-    try_exclusive,
-)
-from shardloader.cache.pressure import POLL_SECONDS, PressureSignal, PressureWatcher
-from shardloader.errors import CacheFullError, ShardError, ShardloaderError
-from shardloader.fileio import fsync_dir
-from shardloader.format.checksum import checksum_fd, parse_checksum
+from shardloader.cache.download import Companion, Fetch, download_shard, install, temp_files
+from shardloader.cache.layout import CacheLayout, cache_name
+from shardloader.cache.ledger import Ledger, LedgerEntry
+from shardloader.cache.locks import after_fork_in_child, close_fd, exclusive, pin_file
+from shardloader.cache.pressure import PressureSignal, PressureWatcher
+from shardloader.cache.reconcile import reconcile
+from shardloader.cache.room import reserve
+from shardloader.cache.shard_files import hash_file, remove_temps, unlink_companions
 from shardloader.format.index import ShardInfo
-from shardloader.units import format_size
+from shardloader.io.files import fsync_dir
 
 log = logging.getLogger(__name__)
 
-# Fetch callback: write the shard into an open, empty file descriptor; may raise FetchError or
-# FetchCancelled; returns what it cost.
-Fetch = Callable[[int, "threading.Event | None"], FetchStats]
 # Releaser: closes this process's idle shard readers (unpinning them); returns how many.
 Releaser = Callable[[], int]
 
@@ -73,32 +60,6 @@ COUNTER_NAMES = (
     "verify_seconds", "downloads", "prefetched", "retries", "evictions", "bytes_evicted",
     "corrupt_refetched", "redownloads", "idle_released", "full_waits",
 )
-
-
-@dataclass(frozen=True)
-class Companion:
-    """A small file stored next to a cached shard as `<shard path><suffix>` (e.g. a tar's
-    offsets sidecar). It is fetched with the shard, counted in its size and evicted with it;
-    its reader verifies it (a companion that cannot be fetched is skipped, not fatal)."""
-
-    suffix: str
-    bytes: int
-    fetch: Fetch
-
-    def __post_init__(self) -> None:
-        if self.suffix not in COMPANION_SUFFIXES:
-            raise ValueError(f"companion suffix {self.suffix!r} is not one of {COMPANION_SUFFIXES}")
-
-
-@dataclass(frozen=True)
-class RoomShortage:
-    """Why a reservation did not fit: bytes pinned by this process, by others, in flight."""
-
-    needed: int
-    total: int
-    pinned_here: int
-    pinned_elsewhere: int
-    reserved: int
 
 
 _LIVE_CACHES: weakref.WeakSet[ShardCache] = weakref.WeakSet()
@@ -121,7 +82,7 @@ class ShardCache:
     def __init__(self, root: str | os.PathLike[str], limit: int, *, full_timeout: float = 30.0):
         if limit <= 0:
             raise ValueError(f"cache limit must be positive, got {limit}")
-        self.layout = Layout.create(root)
+        self.layout = CacheLayout.create(root)
         self.root = self.layout.root
         self.limit = int(limit)
         self.full_timeout = float(full_timeout)
@@ -156,10 +117,8 @@ class ShardCache:
         if self._pid != os.getpid():
             self._forget_after_fork()
         if self._ledger is None:
-            from shardloader.cache.maintenance import reconcile
-
             ledger = Ledger(self.layout.index_dir)
-            reconcile(self, ledger)
+            reconcile(self.layout, ledger)
             self._ledger = ledger
         return self._ledger
 
@@ -199,6 +158,22 @@ class ShardCache:
                 self.counters["idle_released"] += released
         return released
 
+    def has_releasers(self) -> bool:
+        """True when reader pools of this process registered releasers of idle pins."""
+        with self._mutex:
+            return bool(self._releasers)
+
+    def pinned_here(self, name: str) -> bool:
+        """True while this process pins shard `name`."""
+        with self._mutex:
+            return name in self._pins
+
+    def count(self, **amounts: float) -> None:
+        """Add `amounts` to this process's counters."""
+        with self._mutex:
+            for counter, amount in amounts.items():
+                self.counters[counter] += amount
+
     # -- reading: open (pin) and release -------------------------------------------------------
     def open(self, info: ShardInfo, fetch: Fetch, companions: tuple[Companion, ...] = ()) -> str:
         """A pinned local path to the whole, verified file of `info`, fetching it if needed.
@@ -217,7 +192,7 @@ class ShardCache:
                 return path
         hit = True
         while True:
-            fd = pin(path)
+            fd = pin_file(path)
             if fd is None:
                 hit = False
                 self._fill(info, name, fetch, companions, prefetch=False, cancel=None)
@@ -342,51 +317,30 @@ class ShardCache:
             if os.path.exists(path):
                 return "hit"
             remove_temps(self.layout, name)
-            self._reserve(info, name, info.bytes + sum(c.bytes for c in companions), prefetch=prefetch)
-            temps: list[str] = []
+            reserve(self, info, name, info.bytes + sum(c.bytes for c in companions), prefetch=prefetch)
             committed = False
             try:
-                tmp = self.layout.new_temp(name)
-                temps.append(tmp)
-                stats, st = _download_into(tmp, fetch, cancel, info.bytes, info.path)
-                kept: list[tuple[str, str, int]] = []  # (temp, final path, bytes)
-                for companion in companions:
-                    ctmp = self.layout.new_temp(name)
-                    temps.append(ctmp)
-                    try:
-                        cstats, _ = _download_into(
-                            ctmp, companion.fetch, cancel, companion.bytes, info.path + companion.suffix
-                        )
-                    except ShardloaderError as e:  # optional: its reader can do without it
-                        log.warning("%s: companion %s not cached: %s", info.path, companion.suffix, e)
-                        continue
-                    stats.bytes_received += cstats.bytes_received
-                    stats.seconds += cstats.seconds
-                    kept.append((ctmp, path + companion.suffix, companion.bytes))
-                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-                with self.bookkeeping():
-                    for ctmp, final, _ in kept:  # companions first: the shard's name is the commit
-                        os.rename(ctmp, final)
-                    os.rename(tmp, path)
-                    committed = True
-                    size = info.bytes + sum(n for _, _, n in kept)
-                    self.ledger.commit(name, Entry(size, time.time()))
-                    again = self.ledger.note_download(name, stats.bytes_received)
-                fsync_dir(os.path.dirname(path))
-                with self._mutex:
-                    self._verified.add((name, st.st_ino, st.st_size, st.st_mtime_ns))
-                    self.counters["bytes_downloaded"] += stats.bytes_received
-                    self.counters["download_seconds"] += stats.seconds
-                    self.counters["retries"] += stats.retries
-                    self.counters["downloads"] += 1
-                    self.counters["redownloads"] += int(again)
-                    if prefetch:
-                        self.counters["prefetched"] += 1
-                return "downloaded"
+                with temp_files(self.layout, name) as new_temp:
+                    tmp, stats, st, kept = download_shard(new_temp, info, path, fetch, companions, cancel)
+                    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+                    with self.bookkeeping():
+                        install(tmp, path, kept)
+                        committed = True
+                        size = info.bytes + sum(n for _, _, n in kept)
+                        self.ledger.commit(name, LedgerEntry(size, time.time()))
+                        again = self.ledger.note_download(name, stats.bytes_received)
+                    fsync_dir(os.path.dirname(path))
+                    with self._mutex:
+                        self._verified.add((name, st.st_ino, st.st_size, st.st_mtime_ns))
+                        self.counters["bytes_downloaded"] += stats.bytes_received
+                        self.counters["download_seconds"] += stats.seconds
+                        self.counters["retries"] += stats.retries
+                        self.counters["downloads"] += 1
+                        self.counters["redownloads"] += int(again)
+                        if prefetch:
+                            self.counters["prefetched"] += 1
+                    return "downloaded"
             finally:
-                for temp in temps:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(temp)
                 if not committed:
                     with self.bookkeeping():
                         self.ledger.release_reservation(name)
@@ -398,123 +352,6 @@ class ShardCache:
     def bookkeeping(self) -> contextlib.AbstractContextManager[None]:
         """The node-wide lock over sizes, reservations and eviction."""
         return exclusive(self.layout.bookkeeping_lock)
-
-    # -- space ---------------------------------------------------------------------------------
-    def _reserve(self, info: ShardInfo, name: str, size: int, *, prefetch: bool) -> None:
-        """Reserve `size` bytes for a download, evicting LRU unpinned shards as needed.
-
-        A reader that finds no room releases this process's idle pins, then raises the pressure
-        signal and waits (bounded by `full_timeout`) while other processes release theirs and
-        downloads in flight finish. A prefetch never waits: it raises CacheFullError at once."""
-        if size > self.limit:
-            raise CacheFullError(
-                f"cache {self.root}: shard {info.path} ({format_size(size)}) is larger than "
-                f"the whole cache limit ({format_size(self.limit)}); raise cache_limit"
-            )
-        if prefetch and self.pressure.recent():
-            raise CacheFullError(f"cache {self.root}: a reader is waiting for room; prefetch backs off")
-        deadline = time.monotonic() + self.full_timeout
-        waited = False
-        while True:
-            with self.bookkeeping():
-                shortage = self.make_room(name, size, prefetch=prefetch)
-                if shortage is None:
-                    self.ledger.reserve(name, Reservation(size, os.getpid(), prefetch))
-                    return
-            if prefetch:
-                raise CacheFullError(self._full_message(info, size, shortage))
-            if shortage.pinned_here and self.release_idle():
-                continue  # this process's idle readers gave up their pins: try again at once
-            with self._mutex:
-                transient_here = bool(self._releasers) and shortage.pinned_here > 0
-            others = shortage.pinned_elsewhere + shortage.reserved
-            if (others == 0 and not transient_here) or time.monotonic() >= deadline:
-                raise CacheFullError(self._full_message(info, size, shortage))
-            if not waited:
-                waited = True
-                with self._mutex:
-                    self.counters["full_waits"] += 1
-            self.pressure.raise_()  # other processes: give up idle pins; prefetchers: back off
-            time.sleep(POLL_SECONDS)
-
-    def _full_message(self, info: ShardInfo, size: int, s: RoomShortage) -> str:
-        return (
-            f"cache {self.root}: no room for shard {info.path} ({format_size(size)}): the "
-            f"limit is {format_size(self.limit)} and shards being read pin "
-            f"{format_size(s.pinned_here)} in this process and {format_size(s.pinned_elsewhere)} "
-            f"in others, with {format_size(s.reserved)} of downloads in flight. The cache must "
-            f"hold one shard per reading thread on the node plus the downloads in flight: raise "
-            f"cache_limit, or lower num_workers or the ranks per node"
-        )
-
-    def make_room(self, name: str, size: int, *, prefetch: bool = False) -> RoomShortage | None:
-        """Evict until `size` more bytes fit (caller holds the bookkeeping lock); None when
-        they fit, else what stands in the way. Least recently used first, shards that no
-        reader opened yet last. A prefetch evicts only shards that were read, and must leave
-        `reader_reserve` bytes to readers beyond the reservations of other prefetches."""
-        ledger = self.ledger
-        committed = ledger.entries()
-        entries = {n: e.bytes for n, e in committed.items()}
-        reserved = prefetching = 0
-        for other, reservation in ledger.reservations().items():
-            if other == name:
-                continue
-            if reservation is None or not held_elsewhere(self.layout.lock_of(other)):
-                ledger.release_reservation(other)  # its downloader died or finished uncleanly
-                continue
-            reserved += reservation.bytes
-            prefetching += reservation.bytes if reservation.prefetch else 0
-        if prefetch and prefetching + size > self.limit - self.reader_reserve:
-            return RoomShortage(size, sum(entries.values()) + reserved, 0, 0, reserved)
-        total = sum(entries.values()) + reserved
-        if total + size > self.limit:
-            pinned_here = pinned_elsewhere = 0
-            # Shards no reader opened since they arrived (prefetched ahead) go last, and a
-            # prefetch never evicts them: it would throw away what it fetched for the readers.
-            unread = {n for n, e in committed.items() if ledger.opened_at(n) < e.created}
-            for victim in sorted(entries, key=lambda n: (n in unread, ledger.atime(n), n)):
-                if total + size <= self.limit:
-                    break
-                if prefetch and victim in unread:
-                    break
-                if self._evict(victim) is None:
-                    with self._mutex:
-                        mine = victim in self._pins
-                    if mine:
-                        pinned_here += entries[victim]
-                    else:
-                        pinned_elsewhere += entries[victim]
-                    continue
-                total -= entries[victim]
-            if total + size > self.limit:
-                return RoomShortage(size, total, pinned_here, pinned_elsewhere, reserved)
-        ledger.note_usage(total + size)
-        return None
-
-    def _evict(self, name: str) -> int | None:
-        """Remove `name` unless a reader pins it; bytes freed (0 if it was already gone)."""
-        path = self.path_of(name)
-        if not os.path.exists(path):
-            self.ledger.forget(name)
-            return 0
-        fd = try_exclusive(path)
-        if fd is None:
-            if not os.path.exists(path):
-                self.ledger.forget(name)
-                return 0
-            return None
-        try:
-            size = os.fstat(fd).st_size
-            os.unlink(path)
-            size += unlink_companions(path)
-            self.ledger.forget(name)
-            self.ledger.note_evicted(name)
-            with self._mutex:
-                self.counters["evictions"] += 1
-                self.counters["bytes_evicted"] += size
-            return size
-        finally:
-            close_fd(fd)
 
     def close(self) -> None:
         self.release_all()
@@ -538,45 +375,4 @@ class ShardCache:
             pass
 
 
-def hash_file(fd: int, checksum: str) -> str:
-    """The checksum of open file `fd`, in the algorithm `checksum` names."""
-    return checksum_fd(fd, parse_checksum(checksum)[0])[0]
-
-
-def unlink_companions(path: str) -> int:
-    """Remove the companion files of the shard at `path`; bytes freed."""
-    freed = 0
-    for suffix in COMPANION_SUFFIXES:
-        with contextlib.suppress(FileNotFoundError):
-            freed += os.stat(path + suffix).st_size
-            os.unlink(path + suffix)
-    return freed
-
-
-def remove_temps(layout: Layout, name: str) -> None:
-    """Remove leftover temp files of `name` (caller holds its download lock)."""
-    for temp in list(layout.temps_of(name)):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-
-
-def _download_into(
-    tmp: str, fetch: Fetch, cancel: threading.Event | None, size: int, what: str
-) -> tuple[FetchStats, os.stat_result]:
-    """Fetch into a new owner-only temp file, check its size, fsync it."""
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
-    try:
-        stats = fetch(fd, cancel)
-        os.fsync(fd)
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
-    if st.st_size != size:
-        raise ShardError(f"{what}: download wrote {st.st_size} bytes, expected {size}")
-    return stats, st
-
-
-__all__ = [
-    "COUNTER_NAMES", "Companion", "Fetch", "Releaser", "RoomShortage", "ShardCache", "cache_name",
-    "parse_cache_name",
-]
+__all__ = ["COUNTER_NAMES", "Releaser", "ShardCache"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from shardloader.checkpoint import rng
+import shardloader.checkpoint.rng as rng
 from shardloader.errors import CheckpointError, StateError
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from shardloader.checkpoint.manifest import MANIFEST_NAME, Manifest
 from shardloader.checkpoint.storage import Store
-from shardloader.errors import CheckpointError
+from shardloader.errors import CheckpointError, FetchError
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,9 @@ class CheckpointWarning(UserWarning):
 
 
 @dataclass(frozen=True)
-class Entry:
+class CatalogEntry:
+    """One complete checkpoint under a root: its directory name and its parsed manifest."""
+
     id: str
     manifest: Manifest
 
@@ -34,12 +36,14 @@ class Entry:
         return self.manifest.step
 
 
-def warn(message: str) -> None:
+def warn(message: str, *, stacklevel: int = 3) -> None:
+    """Log `message` and issue it as a CheckpointWarning; `stacklevel` as for warnings.warn,
+    counted from the caller of `warn` (the default: the caller's caller)."""
     log.warning(message)
-    warnings.warn(message, CheckpointWarning, stacklevel=3)
+    warnings.warn(message, CheckpointWarning, stacklevel=stacklevel)
 
 
-def list_complete(store: Store, *, warn_damaged: bool = True) -> list[Entry]:
+def list_complete(store: Store, *, warn_damaged: bool = True) -> list[CatalogEntry]:
     """Complete checkpoints, oldest first (commit order). Damaged manifests are skipped."""
     entries = []
     for ckpt_id in store.list_ids():
@@ -57,7 +61,7 @@ def list_complete(store: Store, *, warn_damaged: bool = True) -> list[Entry]:
             if warn_damaged:
                 warn(f"skipping checkpoint {store.url_of(ckpt_id)}: its manifest names {manifest.id!r}")
             continue
-        entries.append(Entry(ckpt_id, manifest))
+        entries.append(CatalogEntry(ckpt_id, manifest))
     entries.sort(key=lambda e: (e.manifest.sequence, e.manifest.step, e.manifest.created_at, e.id))
     return entries
 
@@ -89,6 +93,6 @@ def clean_incomplete(store: Store) -> list[str]:
             try:
                 store.delete(ckpt_id)
                 removed.append(ckpt_id)
-            except OSError as exc:
+            except (OSError, FetchError) as exc:  # FetchError: remote, after retries
                 warn(f"could not remove incomplete checkpoint {store.url_of(ckpt_id)}: {exc}")
     return removed

@@ -1,17 +1,17 @@
 """`Checkpointer`: asynchronous, verified checkpoints of model, optimizer, loader and RNG.
 
-`save()` captures every state at the step boundary, copies its tensors into the staging pool
-and returns; a background thread writes the local staging files (fsynced, hashed from memory),
-puts them at the destination, writes the manifest last and applies retention. What the files
-are is a layout's business (`layout`: one process; `dcp_layout`: torch.distributed); the commit
-path, verification and fallback are here, once, for both. The commit protocol and what
-"complete" means are in docs/checkpoint.md.
+The public class, thin: it checks its arguments, sets up the store, the staging pool, the
+process group and the layouts, keeps the one save in flight, and hands the work on. `save()`
+runs the commit protocol (`commit`: stage here, then write, upload, manifest last and retention
+on a background thread); `latest()` and `load()` choose a checkpoint and restore it, falling back
+from a damaged one (`restore`). What the files are is a layout's business (`single_layout`: one
+process; `dcp_layout`: torch.distributed). The commit protocol and what "complete" means are in
+docs/checkpoint.md.
 """
 
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import hashlib
 import logging
 import os
@@ -21,27 +21,27 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from shardloader.checkpoint import capture, catalog, rng
-from shardloader.checkpoint.catalog import Entry, warn
+import shardloader.checkpoint.catalog as catalog
+import shardloader.checkpoint.commit as commit
+import shardloader.checkpoint.restore as restore
+from shardloader.checkpoint.commit import CommitSetup, PhaseHook
+from shardloader.checkpoint.fields import is_nonneg_int
 from shardloader.checkpoint.group import LocalGroup, make_group
-from shardloader.checkpoint.handle import CheckpointHandle, start_writer
-from shardloader.checkpoint.layout import DamagedCheckpoint, Layout, LayoutContext, SingleLayout
-from shardloader.checkpoint.manifest import FileEntry, Manifest, checkpoint_id
-from shardloader.checkpoint.parts import Staged
+from shardloader.checkpoint.handle import CheckpointHandle
+from shardloader.checkpoint.layout import CheckpointLayout, LayoutContext
+from shardloader.checkpoint.manifest import checkpoint_id
+from shardloader.checkpoint.single_layout import SingleFileLayout
 from shardloader.checkpoint.staging import StagingPool
 from shardloader.checkpoint.storage import LocalStore, Store, open_store
 from shardloader.errors import CheckpointError
+from shardloader.io.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
 ON_BUSY = ("wait", "skip")
-PHASES = ("stage", "write", "upload", "commit", "retention")
-
-PhaseHook = Callable[[str, str, int], None]
 
 
 class Checkpointer:
@@ -53,6 +53,9 @@ class Checkpointer:
     on_busy: what `save()` does while the previous save is still in flight: "wait" (block,
         the wait is measured) or "skip" (drop the new save, counted).
     storage_options: passed to fsspec for the root.
+    retry: how a root that is not a local directory retries transient errors (5xx, 429,
+        resets, timeouts) of every call (`RetryPolicy`; default `RetryPolicy()`, as the
+        shard cache's).
     telemetry: any object with `log_metrics(dict, step)`; gets every save's phase timings.
     staging_bytes: hard cap on the staging pool (default: the state's size, bounded by
         `memory_fraction` of the available memory); larger states stream through it.
@@ -72,6 +75,7 @@ class Checkpointer:
         staging_dir: str | os.PathLike | None = None,
         on_busy: str = "wait",
         storage_options: dict[str, Any] | None = None,
+        retry: RetryPolicy | None = None,
         telemetry: Any = None,
         staging_bytes: int | None = None,
         memory_fraction: float = 0.5,
@@ -92,8 +96,7 @@ class Checkpointer:
         self.on_busy = on_busy
         self.telemetry = telemetry
         self.timeout = timeout
-        self._hook = _phase_hook
-        self._store: Store = open_store(os.fspath(root), storage_options)
+        self._store: Store = open_store(os.fspath(root), storage_options, retry=retry)
         self.root = self._store.url
         self._pool = StagingPool(
             cap_bytes=staging_bytes, memory_fraction=memory_fraction, pin_memory=pin_memory
@@ -103,21 +106,29 @@ class Checkpointer:
         self._nonce = self._group.broadcast(secrets.token_hex(4))
         self._counter = 0
         self._ctx = LayoutContext(self._store, storage_options, self._group, self._pool)
-        self._layouts: dict[str, Layout] = {}
-        self._layout = self._layout_named("single" if isinstance(self._group, LocalGroup) else "dcp")
+        self._layouts: dict[str, CheckpointLayout] = {}
         self._staging = self._staging_root(staging_dir)
-        self._move = isinstance(self._store, LocalStore) and self._store.same_device(self._staging)
-        self._lock = threading.Lock()
         # Retention (background) never deletes a checkpoint while latest()/load() is reading
         # the catalog in this process (they would see the newest vanish mid-verification).
         self._catalog_lock = threading.Lock()
-        self._inflight: CheckpointHandle | None = None
-        self._closed = False
         self._stats: dict[str, Any] = {
             "started": 0, "committed": 0, "failed": 0, "skipped": 0,
             "busy_waits": 0, "busy_wait_s_total": 0.0, "retention_errors": 0,
             "last": {},
         }
+        self._stats_lock = threading.Lock()
+        self._setup = CommitSetup(
+            store=self._store, group=self._group,
+            layout=self._layout_named("single" if isinstance(self._group, LocalGroup) else "dcp"),
+            pool=self._pool, staging=self._staging,
+            move=isinstance(self._store, LocalStore) and self._store.same_device(self._staging),
+            keep=keep, catalog_lock=self._catalog_lock, telemetry=telemetry, hook=_phase_hook,
+            stats=self._stats, stats_lock=self._stats_lock,
+        )
+        # The last save's handle: the next call waits for it and raises its error (when its
+        # staging failed, it never started and counts as done without error).
+        self._inflight: CheckpointHandle | None = None
+        self._closed = False
         self.loaded_extra: dict[str, Any] = {}
         self.loaded: dict[str, Any] | None = None
         self._startup_cleanup()
@@ -125,12 +136,12 @@ class Checkpointer:
         atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------------------ setup
-    def _layout_named(self, name: str) -> Layout:
+    def _layout_named(self, name: str) -> CheckpointLayout:
         """The layout that writes and reads checkpoints whose manifest names `name`."""
         if name not in self._layouts:
             if name == "single":
-                self._layouts[name] = SingleLayout(self._ctx)
-            else:
+                self._layouts[name] = SingleFileLayout(self._ctx)
+            else:  # imports torch.distributed.checkpoint: only when needed
                 from shardloader.checkpoint.dcp_layout import DcpLayout
 
                 self._layouts[name] = DcpLayout(self._ctx)
@@ -172,7 +183,7 @@ class Checkpointer:
         """
         t_call = time.perf_counter()
         self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        if not is_nonneg_int(step):
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._group.enter(f"save(step={step})")
         self._raise_pending()
@@ -180,9 +191,8 @@ class Checkpointer:
         if self.on_busy == "skip":
             busy = self._group.any(busy)  # every rank skips the same saves
         if busy and self.on_busy == "skip":
-            with self._lock:
-                self._stats["skipped"] += 1
-            self._log_metrics({"checkpoint/skipped": 1.0}, step)
+            self._setup.count(skipped=1)
+            commit.log_metrics(self._setup, {"checkpoint/skipped": 1.0}, step)
             return CheckpointHandle(step, None, None, skipped=True)
         busy_wait = 0.0
         if self._inflight is not None:
@@ -190,189 +200,13 @@ class Checkpointer:
             self._wait_inflight()
             busy_wait = time.perf_counter() - t0
             if busy:
-                with self._lock:
-                    self._stats["busy_waits"] += 1
-                    self._stats["busy_wait_s_total"] += busy_wait
+                self._setup.count(busy_waits=1, busy_wait_s_total=busy_wait)
         self._counter += 1
         ckpt_id = checkpoint_id(step, f"{self._nonce}{self._counter:06x}")
-        handle = CheckpointHandle(step, ckpt_id, self._store.url_of(ckpt_id))
-        handle._t_start = t_call
-        self._phase("stage", handle)
-        t_stage = time.perf_counter()
-        staged = self._stage_everywhere(handle, model, optimizer, loader, extra)
-        handle.nbytes = staged.nbytes
-        with self._lock:
-            self._stats["started"] += 1
-        handle._future = start_writer(lambda: self._run(handle, lambda: self._commit(handle, staged)))
+        handle = CheckpointHandle(step, ckpt_id, self._store.url_of(ckpt_id), started_at=t_call)
         self._inflight = handle
-        try:
-            self._stream_rest(handle, staged)
-        finally:
-            handle.timings["stage_s"] = time.perf_counter() - t_stage
-            handle.timings["busy_wait_s"] = busy_wait
-            handle.timings["blocking_s"] = time.perf_counter() - t_call
-            handle._staged.set()
+        commit.commit(self._setup, handle, model, optimizer, loader, extra, busy_wait_s=busy_wait)
         return handle
-
-    def _stage_everywhere(self, handle: CheckpointHandle, model: Any, optimizer: Any,
-                          loader: Any, extra: dict[str, Any]) -> Staged:
-        """Stage on this rank; every rank learns whether every rank could (so that none
-        starts a background write whose collectives the others would never join)."""
-        staged, error = None, None
-        try:
-            staged = self._layout.stage(handle.id, handle.step, model, optimizer, loader, extra)
-        except Exception as exc:
-            error = exc
-        problems = self._group.all_gather(
-            None if error is None else f"rank {self.rank}: {type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        others = [p for p in problems if p is not None]
-        if others:
-            raise CheckpointError(f"save(step={handle.step}) failed on another rank: {others[0]}")
-        assert staged is not None
-        return staged
-
-    def _stream_rest(self, handle: CheckpointHandle, staged: Staged) -> None:
-        """Rounds 1.. of a state larger than the pool: wait for the writer to drain, copy.
-
-        When the writer fails meanwhile, streaming stops; its error is raised by the next call.
-        """
-        rounds, handoff = staged.part.rounds, staged.handoff
-        try:
-            for k in range(1, len(rounds)):
-                if not handoff.wait_drained(k - 1):
-                    break
-                self._pool.copy_in(rounds[k], staged.tensors)
-                handoff.staged()
-        except BaseException:
-            handoff.abort()
-            handle._reported = True  # this call raises; the job's StreamAborted is not news
-            raise
-        finally:
-            staged.tensors = None
-
-    # ---------------------------------------------------------------------------- background
-    def _run(self, handle: CheckpointHandle, job: Callable[[], None]) -> None:
-        """Background: run the job, then retention and telemetry. Errors name the checkpoint."""
-        try:
-            job()
-        except BaseException as exc:
-            with self._lock:
-                self._stats["failed"] += 1
-            phase = getattr(handle, "_phase_now", "write")
-            raise CheckpointError(
-                f"checkpoint of step {handle.step} ({handle.url}) failed during {phase}: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
-        if self.rank == 0:  # retention and telemetry are rank 0's job
-            self._phase("retention", handle)
-            t0 = time.perf_counter()
-            try:
-                with self._catalog_lock:
-                    deleted = catalog.apply_retention(self._store, self.keep)
-                if deleted:
-                    log.info("retention deleted %s", deleted)
-            except Exception as exc:  # the new checkpoint is complete; report, do not fail it
-                with self._lock:
-                    self._stats["retention_errors"] += 1
-                warn(f"retention under {self.root} failed after committing {handle.id}: {exc!r}")
-            handle.timings["retention_s"] = time.perf_counter() - t0
-        handle._staged.wait()
-        handle.timings["total_s"] = time.perf_counter() - handle._t_start
-        with self._lock:
-            self._stats["committed"] += 1
-            self._stats["last"] = {"step": handle.step, "id": handle.id, "bytes": handle.nbytes,
-                                   **handle.timings}
-        if self.rank == 0:
-            self._log_metrics({f"checkpoint/{k}": float(v) for k, v in handle.timings.items()}
-                              | {"checkpoint/bytes": float(handle.nbytes)}, handle.step)
-
-    def _commit(self, handle: CheckpointHandle, staged: Staged) -> None:
-        """The one commit path, every layout and world size: write the layout's files into
-        local staging, put them at the destination, then rank 0 writes the manifest once
-        every rank reported its files in place; the outcome is shared, so all handles agree."""
-        stage_dir = os.path.join(self._staging, handle.id)
-        files: dict[str, FileEntry] = {}
-        error: BaseException | None = None
-        made = False
-        try:
-            self._phase("write", handle)
-            t0 = time.perf_counter()
-            try:
-                os.makedirs(stage_dir)
-                files = self._layout.write(staged, stage_dir)
-            except BaseException:
-                staged.handoff.fail()  # a saver waiting for the pool must not wait forever
-                raise
-            t1 = time.perf_counter()
-            handle.timings["write_s"] = t1 - t0
-            self._phase("upload", handle)
-            self._store.make_dir(handle.id, exist_ok=self.world_size > 1)
-            made = True
-            for name in sorted(files):
-                self._store.put(os.path.join(stage_dir, name), handle.id, name, move=self._move)
-            self._store.seal_dir(handle.id)
-            handle.timings["upload_s"] = time.perf_counter() - t1
-            self._phase("commit", handle)
-        except BaseException as exc:  # still take part in the commit round, reporting failure
-            error = exc
-        finally:
-            shutil.rmtree(stage_dir, ignore_errors=True)
-        handle._staged.wait()  # save() returned on this rank: its stage timings are final
-        t2 = time.perf_counter()
-        report = (None if error is None else f"rank {self.rank}: {type(error).__name__}: {error}",
-                  made, {k: (v.bytes, v.checksum) for k, v in files.items()})
-        parts = self._group.bg_gather(report)
-        outcome = None
-        if parts is not None:  # rank 0
-            errors = [e for e, _, _ in parts if e is not None]
-            if errors:
-                outcome = "; ".join(errors)
-            else:
-                merged = {k: FileEntry(*v) for _, _, part in parts for k, v in part.items()}
-                try:
-                    manifest = Manifest(
-                        id=handle.id, step=handle.step, sequence=catalog.next_sequence(self._store),
-                        layout=self._layout.name, world_size=self.world_size, files=merged,
-                        loader_fingerprint=staged.fingerprint,
-                        timings={k: round(v, 6) for k, v in handle.timings.items()},
-                    )
-                    self._store.write_manifest(handle.id, manifest.to_json())
-                except BaseException as exc:
-                    outcome = f"rank 0 could not write the manifest: {type(exc).__name__}: {exc}"
-                    error = error or exc
-            if outcome is not None and any(m for _, m, _ in parts):
-                self._discard(handle.id)
-        outcome = self._group.bg_broadcast(outcome)
-        handle.timings["commit_s"] = time.perf_counter() - t2
-        if error is not None:
-            raise error
-        if outcome is not None:
-            raise CheckpointError(f"another rank failed: {outcome}")
-
-    def _discard(self, ckpt_id: str) -> None:
-        """Best effort removal of a failed checkpoint (it has no manifest: never listed)."""
-        try:
-            self._store.delete(ckpt_id)
-        except FileNotFoundError:
-            pass
-        except Exception as exc:
-            log.warning("could not remove failed checkpoint %s (startup cleanup will): %r",
-                        self._store.url_of(ckpt_id), exc)
-
-    def _phase(self, phase: str, handle: CheckpointHandle) -> None:
-        handle._phase_now = phase  # type: ignore[attr-defined]
-        if self._hook is not None:
-            self._hook(phase, handle.id, handle.step)
-
-    def _log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        if self.telemetry is None:
-            return
-        try:
-            self.telemetry.log_metrics(metrics, step)
-        except Exception as exc:  # telemetry must never break checkpointing
-            log.warning("telemetry.log_metrics failed: %r", exc)
 
     # ---------------------------------------------------------------------------- errors, wait
     def _check_open(self) -> None:
@@ -385,8 +219,7 @@ class Checkpointer:
         if handle is None:
             return
         limit = self.timeout.total_seconds()
-        done, _ = concurrent.futures.wait([handle._future], timeout=limit)
-        if not done:
+        if not handle.wait_done(limit):
             raise CheckpointError(
                 f"the save of step {handle.step} ({handle.url}) is still in flight after "
                 f"{limit:.0f} s; stopped waiting (it is listed only if it commits before this "
@@ -400,9 +233,9 @@ class Checkpointer:
         if handle is None or not handle.done():
             return
         self._inflight = None
-        error = handle.error
-        if error is not None and not handle._reported:
-            handle._reported = True
+        error = handle.unreported_error
+        if error is not None:
+            handle.mark_reported()
             raise error
 
     def wait(self) -> None:
@@ -453,27 +286,12 @@ class Checkpointer:
         Not collective.
         """
         with self._catalog_lock:
-            for entry in reversed(catalog.list_complete(self._store)):
-                if not verify:
-                    return entry.step
-                problem = self._problem(entry, None)
-                if problem is None:
-                    return entry.step
-                warn(f"skipping checkpoint {self._store.url_of(entry.id)}: {problem}")
-        return None
-
-    def _problem(self, entry: Entry, names: list[str] | None) -> str | None:
-        """Why `entry` is not usable (its files, or `names` of them), or None."""
-        try:
-            self._layout_named(entry.manifest.layout).verify(entry, names)
-        except CheckpointError as exc:
-            return str(exc)
-        return None
+            return restore.newest_usable(self._store, self._layout_named, verify=verify)
 
     def stats(self) -> dict[str, Any]:
         """Counts (started, committed, failed, skipped, busy waits), the last save's phase
         timings in seconds, and the staging pool's size."""
-        with self._lock:
+        with self._stats_lock:
             out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in self._stats.items()}
         out["pool_bytes"] = self._pool.size
         out["pool_allocations"] = self._pool.allocations
@@ -496,78 +314,9 @@ class Checkpointer:
         self._group.enter(f"load(step={step})")
         self._wait_inflight()
         with self._catalog_lock:
-            offer: Any = None
-            if self.rank == 0:
-                try:
-                    offer = [(e.id, e.manifest.to_json()) for e in self._candidates(step)]
-                except CheckpointError as exc:
-                    offer = str(exc)
-            offer = self._group.broadcast(offer)
-            if isinstance(offer, str):
-                raise CheckpointError(offer)
-            for ckpt_id, manifest_bytes in offer:
-                source = self._store.url_of(ckpt_id)
-                entry = Entry(ckpt_id, Manifest.from_json(manifest_bytes, source=source))
-                if self._load_entry(entry, step, model, optimizer, loader, extra):
-                    return entry.step
-        raise CheckpointError(f"{self.root}: no complete checkpoint that verifies")
-
-    def _load_entry(self, entry: Entry, step: int | None, model: Any, optimizer: Any,
-                    loader: Any, extra: dict[str, Any]) -> bool:
-        """Restore `entry` on every rank, or return False (all ranks) when it is damaged."""
-        source = self._store.url_of(entry.id)
-        name = f"checkpoint {source} (step {entry.step})"
-        names = sorted(entry.manifest.files)
-        mine = names[self.rank :: self.world_size]  # each rank verifies a share
-        problem = self._problem(entry, mine)
-        problems = [p for p in self._group.all_gather(problem) if p is not None]
-        if problems:
-            self._skip(source, step, problem, problems[0])
-            return False
-        layout = self._layout_named(entry.manifest.layout)
-        error: BaseException | None = None
-        status: tuple[str, str] | None = None
-        try:
-            local = layout.restore(entry, name, model, optimizer, loader, extra)
-        except DamagedCheckpoint as exc:
-            error, status = exc, ("damaged", str(exc))
-        except BaseException as exc:  # the caller's objects do not fit: not the checkpoint's fault
-            error, status = exc, ("fatal", f"rank {self.rank}: {type(exc).__name__}: {exc}")
-        statuses = [s for s in self._group.all_gather(status) if s is not None]
-        fatal = [m for kind, m in statuses if kind == "fatal"]
-        if error is not None and (status[0] == "fatal" or step is not None):
-            raise error
-        if fatal:
-            raise CheckpointError(f"{name}: {fatal[0]}")
-        if statuses:
-            self._skip(source, step, status and status[1], statuses[0][1])
-            return False
-        capture.restore_extra(extra, local, name)
-        self.loaded_extra = local.get("extra", {})
-        self.loaded = {"step": entry.step, "id": entry.id, "url": source}
-        rng.restore(local["rng"], source=name)
-        return True
-
-    def _skip(self, source: str, step: int | None, mine: str | None, first: str) -> None:
-        """A damaged checkpoint: an error when it was asked for, else a warning and fallback."""
-        if step is not None:
-            raise CheckpointError(f"cannot load checkpoint {source}: {mine or first}")
-        if mine is not None or self.rank == 0:
-            warn(f"skipping checkpoint {source}: {mine or 'another rank found damage: ' + first}")
-
-    def _candidates(self, step: int | None) -> list[Entry]:
-        entries = list(reversed(catalog.list_complete(self._store)))
-        if step is None:
-            if not entries:
-                raise CheckpointError(f"{self.root}: no complete checkpoint to load")
-            return entries
-        chosen = [e for e in entries if e.step == step]
-        if not chosen:
-            raise CheckpointError(
-                f"{self.root}: no complete checkpoint of step {step} "
-                f"(complete steps: {sorted({e.step for e in entries})})"
-            )
-        return chosen[:1]
+            self.loaded, self.loaded_extra = restore.load(
+                self._store, self._group, self._layout_named, step, model, optimizer, loader, extra)
+        return self.loaded["step"]
 
     def __repr__(self) -> str:
         return f"Checkpointer({self.root!r}, keep={self.keep}, on_busy={self.on_busy!r})"
@@ -586,9 +335,9 @@ class _ExitWait:
             return
         handle = ckpt._inflight
         limit = ckpt.timeout.total_seconds()
-        done, _ = concurrent.futures.wait([handle._future], timeout=limit)
-        if not done:
+        if not handle.wait_done(limit):
             log.error("interpreter exit: the save of step %d (%s) did not finish within %.0f s "
                       "and is abandoned (never listed)", handle.step, handle.url, limit)
-        elif handle.error is not None and not handle._reported:
-            log.error("interpreter exit: the save of step %d failed: %s", handle.step, handle.error)
+        elif handle.unreported_error is not None:
+            log.error("interpreter exit: the save of step %d failed: %s", handle.step,
+                      handle.unreported_error)

@@ -34,9 +34,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from shardloader.checkpoint import capture
-from shardloader.checkpoint.catalog import Entry, warn
-from shardloader.checkpoint.layout import DamagedCheckpoint, Layout, LayoutContext
+import shardloader.checkpoint.capture as capture
+from shardloader.checkpoint.catalog import CatalogEntry, warn
+from shardloader.checkpoint.fields import is_nonneg_int
+from shardloader.checkpoint.layout import CheckpointLayout, DamagedCheckpoint, LayoutContext
 from shardloader.checkpoint.manifest import FileEntry
 from shardloader.checkpoint.parts import Staged, stage_part, verify_part_file
 from shardloader.checkpoint.staging import StagingPool, plan_rounds, pool_bytes_needed
@@ -51,7 +52,7 @@ from shardloader.checkpoint.untrusted import (
 )
 from shardloader.checkpoint.writer import write_part
 from shardloader.errors import CheckpointError, StateError
-from shardloader.format.checksum import checksum_file, new_hasher, parse_checksum
+from shardloader.io.checksum import checksum_file, new_hasher, parse_checksum
 
 DCP_METADATA = ".metadata"
 _CHUNK = 8 << 20
@@ -61,7 +62,9 @@ def rank_base(rank: int) -> str:
     return f"rank-{rank:05d}"
 
 
-class DcpLayout(Layout):
+class DcpLayout(CheckpointLayout):
+    """torch.distributed: model and optimizer through DCP, a part per rank (see the module doc)."""
+
     name = "dcp"
 
     def __init__(self, ctx: LayoutContext) -> None:
@@ -109,7 +112,7 @@ class DcpLayout(Layout):
         return files
 
     # -------------------------------------------------------------------------------- verify
-    def verify(self, entry: Entry, names: list[str] | None = None) -> None:
+    def verify(self, entry: CatalogEntry, names: list[str] | None = None) -> None:
         """Checksums, and every DCP item decodes as data (values plain, tensors tensors)."""
         store = self.ctx.store
         files = entry.manifest.files
@@ -122,7 +125,7 @@ class DcpLayout(Layout):
             elif name != DCP_METADATA:  # read and verified by self.metadata()
                 verify_part_file(store, entry, name)
 
-    def metadata(self, entry: Entry) -> Any:
+    def metadata(self, entry: CatalogEntry) -> Any:
         files = entry.manifest.files
         source = self.ctx.store.url_of(f"{entry.id}/{DCP_METADATA}")
         if DCP_METADATA not in files:
@@ -131,7 +134,7 @@ class DcpLayout(Layout):
         return read_dcp_metadata(io.BytesIO(raw.numpy().tobytes()), source)
 
     # -------------------------------------------------------------------------------- load
-    def restore(self, entry: Entry, name: str, model: Any, optimizer: Any, loader: Any,
+    def restore(self, entry: CatalogEntry, name: str, model: Any, optimizer: Any, loader: Any,
                 extra: dict[str, Any]) -> dict[str, Any]:
         rank, world_size = self.ctx.group.rank, self.ctx.group.world_size
         saved_world = entry.manifest.world_size
@@ -196,7 +199,8 @@ def _first_line(exc: BaseException) -> str:
 
 
 # ------------------------------------------------------------------------------ data files
-def data_items(metadata: Any, entry: Entry, source: str) -> dict[str, list[tuple[int, int, bool, str]]]:
+def data_items(metadata: Any, entry: CatalogEntry,
+               source: str) -> dict[str, list[tuple[int, int, bool, str]]]:
     """Per data file: (offset, length, is_value, fqn) of each item, validated against the
     manifest. An item outside the checkpoint's files or past a file's end is damage."""
     files = entry.manifest.files
@@ -213,7 +217,7 @@ def data_items(metadata: Any, entry: Entry, source: str) -> dict[str, list[tuple
         where = f"{source}/{DCP_METADATA}: item {fqn!r}"
         if not isinstance(path, str) or path not in files or path == DCP_METADATA:
             raise CheckpointError(f"{where} refers to {path!r}, not a data file of this checkpoint")
-        if not (_nonneg(offset) and _nonneg(length)) or offset + length > files[path].bytes:
+        if not (is_nonneg_int(offset) and is_nonneg_int(length)) or offset + length > files[path].bytes:
             raise CheckpointError(f"{where}: bytes [{offset!r}, +{length!r}) are not inside "
                                   f"{path} ({files[path].bytes} bytes)")
         if getattr(info, "transform_descriptors", None):
@@ -224,7 +228,7 @@ def data_items(metadata: Any, entry: Entry, source: str) -> dict[str, list[tuple
     return out
 
 
-def verify_data_file(store: Store, entry: Entry, name: str,
+def verify_data_file(store: Store, entry: CatalogEntry, name: str,
                      items: list[tuple[int, int, bool, str]]) -> None:
     """One pass over a `.distcp` file: hash every byte, decode every item as data."""
     file_entry = entry.manifest.files[name]
@@ -274,10 +278,6 @@ def _read(f: Any, n: int, url: str) -> bytes:
         parts.append(chunk)
         left -= len(chunk)
     return b"".join(parts)
-
-
-def _nonneg(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 # ------------------------------------------------------------------------------ DCP readers

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from shardloader import distenv
 from shardloader.errors import CheckpointError
+from shardloader.runtime import distenv
 
 log = logging.getLogger(__name__)
 

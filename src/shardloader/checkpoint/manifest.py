@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardloader._version import __version__
+from shardloader.checkpoint.fields import is_nonneg_int
 from shardloader.errors import CheckpointError, UnsafePathError
-from shardloader.format.checksum import checksum_bytes, parse_checksum
-from shardloader.format.paths import safe_relative_path
+from shardloader.io.checksum import checksum_bytes, parse_checksum
+from shardloader.io.paths import safe_relative_path
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "shardloader-checkpoint"
@@ -104,7 +105,7 @@ class Manifest:
                 safe = safe_relative_path(name, what=f"{source}: files")
                 if safe != name:
                     raise CheckpointError(f"{source}: file name {name!r} is not normalised")
-                if not _nonneg_int(entry["bytes"]):
+                if not is_nonneg_int(entry["bytes"]):
                     raise CheckpointError(f"{source}: file {name!r} has bad size {entry['bytes']!r}")
                 parse_checksum(entry["checksum"])
                 files[name] = FileEntry(entry["bytes"], entry["checksum"])
@@ -140,7 +141,3 @@ def _typed(body: dict[str, Any], key: str, kind: type, source: str) -> Any:
     if not isinstance(value, kind) or isinstance(value, bool):
         raise CheckpointError(f"{source}: manifest field {key!r} is {value!r}, not a {kind.__name__}")
     return value
-
-
-def _nonneg_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0

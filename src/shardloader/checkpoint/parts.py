@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from shardloader.checkpoint import rng
-from shardloader.checkpoint.catalog import Entry
+import shardloader.checkpoint.rng as rng
+from shardloader.checkpoint.catalog import CatalogEntry
 from shardloader.checkpoint.staging import StagingPool, plan_rounds, pool_bytes_needed
 from shardloader.checkpoint.storage import Store
 from shardloader.checkpoint.tensorfile import (
@@ -29,7 +29,7 @@ from shardloader.checkpoint.tensorfile import (
 from shardloader.checkpoint.tree import flatten, unflatten
 from shardloader.checkpoint.writer import RoundHandoff, StagedPart
 from shardloader.errors import CheckpointError, StateError
-from shardloader.format.checksum import new_hasher, parse_checksum
+from shardloader.io.checksum import new_hasher, parse_checksum
 
 _CHUNK = 8 << 20
 
@@ -66,7 +66,7 @@ def part_names(base: str) -> tuple[str, str]:
     return f"{base}.safetensors", f"{base}.json"
 
 
-def read_part(store: Store, entry: Entry, base: str) -> dict[str, Any]:
+def read_part(store: Store, entry: CatalogEntry, base: str) -> dict[str, Any]:
     """Read and verify one part into a state tree; CheckpointError names what is wrong."""
     tensor_name, json_name = _listed(store, entry, base)
     tensors = _read_tensors(store, entry, tensor_name)
@@ -74,7 +74,7 @@ def read_part(store: Store, entry: Entry, base: str) -> dict[str, Any]:
     return _decode_state(raw.numpy().tobytes(), tensors, store.url_of(f"{entry.id}/{json_name}"))
 
 
-def verify_part_file(store: Store, entry: Entry, name: str) -> None:
+def verify_part_file(store: Store, entry: CatalogEntry, name: str) -> None:
     """Raise CheckpointError unless file `name` of a part matches the manifest and decodes
     as `read_part` would decode it (without keeping the tensors: `latest()` uses this)."""
     if name.endswith(".safetensors"):
@@ -89,7 +89,7 @@ def verify_part_file(store: Store, entry: Entry, name: str) -> None:
         store.verify(entry.id, name, entry.manifest.files[name])
 
 
-def _listed(store: Store, entry: Entry, base: str) -> tuple[str, str]:
+def _listed(store: Store, entry: CatalogEntry, base: str) -> tuple[str, str]:
     names = part_names(base)
     for name in names:
         if name not in entry.manifest.files:
@@ -119,7 +119,7 @@ def _int_or_none(name: str) -> tuple[int, str]:
     return (int(name), "") if name.isdigit() else (-1, name)
 
 
-def _read_tensors(store: Store, entry: Entry, name: str) -> dict[str, torch.Tensor]:
+def _read_tensors(store: Store, entry: CatalogEntry, name: str) -> dict[str, torch.Tensor]:
     file_entry = entry.manifest.files[name]
     url = store.url_of(f"{entry.id}/{name}")
     size = store.checked_size(entry.id, name, file_entry)
@@ -134,7 +134,7 @@ def _read_tensors(store: Store, entry: Entry, name: str) -> dict[str, torch.Tens
     return tensors
 
 
-def _check_tensor_file(store: Store, entry: Entry, name: str) -> None:
+def _check_tensor_file(store: Store, entry: CatalogEntry, name: str) -> None:
     """Header valid, every byte hashed, no tensor allocated."""
     file_entry = entry.manifest.files[name]
     url = store.url_of(f"{entry.id}/{name}")
@@ -154,7 +154,7 @@ def _check_tensor_file(store: Store, entry: Entry, name: str) -> None:
         raise CheckpointError(problem)
 
 
-def _tensor_header(store: Store, entry: Entry, name: str) -> list[TensorMeta]:
+def _tensor_header(store: Store, entry: CatalogEntry, name: str) -> list[TensorMeta]:
     if name not in entry.manifest.files:
         raise CheckpointError(f"{store.url_of(entry.id)}: manifest lists no {name}")
     url = store.url_of(f"{entry.id}/{name}")

@@ -9,6 +9,8 @@ The local store moves staged files with `rename` when the staging directory is o
 file system (no second copy) and otherwise copies them; it fsyncs files and directories so a
 manifest never reaches the disk before the data it lists. Object stores (s3://, gs://, ...)
 make an object visible only once it is whole, so the manifest object is the commit point.
+The fsspec store retries transient errors of every call (5xx, 429, resets, timeouts) as the
+shard cache does, through `shardloader.io.objects`.
 """
 
 from __future__ import annotations
@@ -16,17 +18,20 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
-import fsspec
 import torch
 
 from shardloader.checkpoint.manifest import MANIFEST_NAME, FileEntry, parse_id
-from shardloader.errors import CheckpointError
-from shardloader.fileio import fsync_dir
-from shardloader.format.checksum import new_hasher, parse_checksum
-from shardloader.format.paths import join_url
-from shardloader.source import is_local, strip_file_scheme
+from shardloader.errors import CheckpointError, FetchError
+from shardloader.io import objects
+from shardloader.io.checksum import new_hasher, parse_checksum
+from shardloader.io.clients import filesystem
+from shardloader.io.files import fsync_dir
+from shardloader.io.paths import is_local, join_url, strip_file_scheme
+from shardloader.io.retry import RetryPolicy, is_refusal, retrying
 
 CHUNK = 8 << 20
 
@@ -68,6 +73,7 @@ class Store:
 
     # -- reading -----------------------------------------------------------------------------
     def open(self, ckpt_id: str, name: str):
+        """A binary file object of `<ckpt_id>/<name>`, read front to back (`read`, `readinto`)."""
         raise NotImplementedError
 
     def size(self, ckpt_id: str, name: str) -> int:
@@ -206,12 +212,21 @@ class LocalStore(Store):
 
 
 class FsspecStore(Store):
-    """Any fsspec file system. The manifest object is written last with a single PUT."""
+    """Any fsspec file system. The manifest object is written last with a single PUT.
 
-    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
+    Every call is retried on transient errors (5xx, 429, resets, timeouts) under `retry`, as
+    the shard cache retries (`shardloader.io.objects`); each is safe to repeat whole: listings,
+    sizes, reads (a stream from the offset it failed at), puts of a whole object, `makedirs`,
+    deletes. A permanent error or exhausted retries raise FetchError naming the URL; a missing
+    object is FileNotFoundError; a full or read-only destination raises its own OSError.
+    """
+
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None, *,
+                 retry: RetryPolicy | None = None) -> None:
         self.url = root.rstrip("/")
+        self.retry = retry or RetryPolicy()
         try:
-            self.fs, self.root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+            self.fs, self.root = filesystem(self.url, storage_options, full_interface=True)
         except (ImportError, ValueError) as exc:
             raise CheckpointError(f"{root}: cannot open the checkpoint root: {exc}") from exc
         self.root = self.root.rstrip("/")
@@ -219,68 +234,92 @@ class FsspecStore(Store):
     def _path(self, *parts: str) -> str:
         return "/".join([self.root, *parts])
 
+    def _at(self, rel: str) -> tuple[str, str]:
+        """The client's path and the URL (for messages) of `rel` under the root."""
+        return self._path(rel), self.url_of(rel)
+
     def list_ids(self) -> list[str]:
-        self.fs.invalidate_cache(self.root)
-        try:
-            entries = self.fs.ls(self.root, detail=False)
+        try:  # a listing made now: fsspec's cached one is dropped first
+            entries = objects.list_directory(self.fs, self.root, self.url, policy=self.retry)
         except FileNotFoundError:
             return []
-        names = [e.rstrip("/").rsplit("/", 1)[-1] for e in entries]
+        names = [e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries]
         return [n for n in names if parse_id(n) is not None]
 
     def read_manifest_bytes(self, ckpt_id: str) -> bytes | None:
         try:
-            return self.fs.cat_file(self._path(ckpt_id, MANIFEST_NAME))
+            return objects.read_object(self.fs, *self._at(f"{ckpt_id}/{MANIFEST_NAME}"),
+                                       policy=self.retry)
         except FileNotFoundError:
             return None
 
     def make_dir(self, ckpt_id: str, *, exist_ok: bool) -> None:
-        path = self._path(ckpt_id)
-        if not exist_ok and self.fs.exists(path):
-            raise FileExistsError(errno.EEXIST, "checkpoint directory exists", self.url_of(ckpt_id))
-        self.fs.makedirs(path, exist_ok=True)  # a no-op on object stores
+        path, url = self._at(ckpt_id)
+        with _refusals_unwrapped():
+            if not exist_ok and objects.object_exists(self.fs, path, url, policy=self.retry):
+                raise FileExistsError(errno.EEXIST, "checkpoint directory exists", url)
+            # a no-op on object stores
+            retrying(lambda: self.fs.makedirs(path, exist_ok=True), url, policy=self.retry)
 
     def put(self, local_path: str, ckpt_id: str, name: str, *, move: bool) -> None:
-        remote = self._path(ckpt_id, name)
-        self.fs.put_file(local_path, remote)
-        self.fs.invalidate_cache(remote)
-        size = self.fs.size(remote)
+        remote, url = self._at(f"{ckpt_id}/{name}")
+        with _refusals_unwrapped():
+            objects.put_file(self.fs, local_path, remote, url, policy=self.retry)
+        size = objects.object_size(self.fs, remote, url, policy=self.retry)  # asked anew
         expected = os.path.getsize(local_path)
         if size != expected:
-            raise CheckpointError(
-                f"{self.url_of(ckpt_id + '/' + name)}: uploaded {expected} bytes, the destination "
-                f"holds {size}"
-            )
+            raise CheckpointError(f"{url}: uploaded {expected} bytes, the destination holds {size}")
 
     def write_manifest(self, ckpt_id: str, data: bytes) -> None:
-        self.fs.pipe_file(self._path(ckpt_id, MANIFEST_NAME), data)
+        with _refusals_unwrapped():
+            objects.put_bytes(self.fs, data, *self._at(f"{ckpt_id}/{MANIFEST_NAME}"),
+                              policy=self.retry)
 
     def delete(self, ckpt_id: str) -> None:
-        try:
-            self.fs.rm_file(self._path(ckpt_id, MANIFEST_NAME))
-        except FileNotFoundError:
-            pass
-        try:
-            self.fs.rm(self._path(ckpt_id), recursive=True)
-        except FileNotFoundError:
-            pass
+        # FileNotFoundError: gone already, or deleted by an attempt whose answer was lost
+        with _refusals_unwrapped():
+            try:
+                objects.remove_object(self.fs, *self._at(f"{ckpt_id}/{MANIFEST_NAME}"),
+                                      policy=self.retry)
+            except FileNotFoundError:
+                pass
+            try:
+                objects.remove_object(self.fs, *self._at(ckpt_id), recursive=True,
+                                      policy=self.retry)
+            except FileNotFoundError:
+                pass
         self.fs.invalidate_cache(self.root)
 
-    def open(self, ckpt_id: str, name: str):
-        return self.fs.open(self._path(ckpt_id, name), "rb", block_size=CHUNK)
+    def open(self, ckpt_id: str, name: str) -> objects.RetryingReader:
+        """The file read front to back; opening and each read are retried (a failed read is
+        made again from the offset it started at)."""
+        return objects.RetryingReader(self.fs, *self._at(f"{ckpt_id}/{name}"), block_size=CHUNK,
+                                      policy=self.retry)
 
     def size(self, ckpt_id: str, name: str) -> int:
-        path = self._path(ckpt_id, name)
-        self.fs.invalidate_cache(path)
-        return self.fs.size(path)
+        return objects.object_size(self.fs, *self._at(f"{ckpt_id}/{name}"), policy=self.retry)
 
 
-def open_store(root: str, storage_options: dict[str, Any] | None = None) -> Store:
-    """A LocalStore for plain paths and file:// URLs, an FsspecStore for anything else."""
+@contextmanager
+def _refusals_unwrapped() -> Iterator[None]:
+    """A write to a full or read-only destination raises the file system's own OSError
+    (callers read its errno, as the local store's), not the FetchError made of it."""
+    try:
+        yield
+    except FetchError as exc:
+        if is_refusal(exc.__cause__):
+            raise exc.__cause__ from None
+        raise
+
+
+def open_store(root: str, storage_options: dict[str, Any] | None = None, *,
+               retry: RetryPolicy | None = None) -> Store:
+    """A LocalStore for plain paths and file:// URLs, an FsspecStore (retrying transient
+    errors under `retry`, default `RetryPolicy()`) for anything else."""
     if not isinstance(root, (str, os.PathLike)):
         raise TypeError(f"checkpoint root must be a path or URL string, got {type(root).__name__}")
     root = os.fspath(root)
     if is_local(root) and not storage_options:
         return LocalStore(root)
-    return FsspecStore(root, storage_options)
+    return FsspecStore(root, storage_options, retry=retry)
 

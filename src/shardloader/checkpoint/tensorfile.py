@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardloader.checkpoint.fields import is_nonneg_int
 from shardloader.errors import CheckpointError
 
 _DTYPE_CODES = {
@@ -133,9 +134,9 @@ def decode_header(prefix: bytes, *, source: str, file_size: int) -> tuple[int, l
         if dtype is None:
             raise CheckpointError(f"{where}: unknown dtype {entry['dtype']!r}")
         shape, offsets = entry["shape"], entry["data_offsets"]
-        if not isinstance(shape, list) or not all(_nonneg_int(s) for s in shape):
+        if not isinstance(shape, list) or not all(is_nonneg_int(s) for s in shape):
             raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative ints")
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(_nonneg_int, offsets)):
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(map(is_nonneg_int, offsets)):
             raise CheckpointError(f"{where}: data_offsets {offsets!r} is not [begin, end]")
         meta = TensorMeta(name, dtype, tuple(shape), offsets[0], offsets[1])
         numel = 1
@@ -216,7 +217,3 @@ def _read_exact(f, n: int, source: str, hasher) -> bytes:
         data += chunk
     hasher.update(data)
     return data
-
-
-def _nonneg_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0

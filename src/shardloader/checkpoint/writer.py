@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from shardloader.checkpoint.manifest import FileEntry
 from shardloader.checkpoint.staging import Round, StagingPool
 from shardloader.checkpoint.tensorfile import TensorMeta
-from shardloader.fileio import fsync_dir
-from shardloader.format.checksum import DEFAULT_ALGORITHM, format_checksum, new_hasher
+from shardloader.io.checksum import DEFAULT_ALGORITHM, format_checksum, new_hasher
+from shardloader.io.files import fsync_dir
 
 
 @dataclass

@@ -44,7 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardloader.format.convert import convert
+    from shardloader.ingest.convert import convert
 
     summary = convert(
         args.src, args.dst, progress=not args.no_progress and sys.stderr.isatty(), shard_bytes=args.shard_bytes,

@@ -45,7 +45,7 @@ def check_folder(url: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardloader.format.indexer import index_dataset
+    from shardloader.ingest.indexer import index_dataset
 
     check_folder(args.url)
     index = index_dataset(args.url, storage_options=args.storage_options, out=args.out,

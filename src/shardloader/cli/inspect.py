@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def describe(url: str, storage_options: dict[str, Any] | None, shards: bool) -> dict[str, Any]:
-    from shardloader.source import load_index
+    from shardloader.source.index import load_index
 
     index = load_index(url, storage_options)
     out: dict[str, Any] = {

@@ -57,12 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand; returns the exit status. Unusable input raises ShardloaderError."""
-    from shardloader.telemetry import report as rpt
+    from shardloader.telemetry.analysis import analyse
+    from shardloader.telemetry.history import records_from_jsonl, records_from_mlflow
+    from shardloader.telemetry.render import plot, render_text
 
     is_file = os.path.exists(args.run) or args.run.endswith(".jsonl")
     try:
         if is_file:
-            records, extra = rpt.records_from_jsonl(args.run)
+            records, extra = records_from_jsonl(args.run)
             ranks = sorted({r.rank for r in records})
             rank = args.rank if args.rank is not None else (ranks[0] if ranks else 0)
             if len(ranks) > 1 and args.rank is None:
@@ -73,22 +75,22 @@ def run(args: argparse.Namespace) -> int:
             title = f"shardloader report: {args.run} (rank {rank})"
         else:
             check_server(args.tracking_uri, args.timeout)
-            records, fields, extra = rpt.records_from_mlflow(
+            records, fields, extra = records_from_mlflow(
                 args.run, args.tracking_uri, prefix=args.prefix, rank=args.rank)
             title = f"shardloader report: MLflow run {args.run}" + (
                 f" (rank {args.rank})" if args.rank is not None else "")
-        report = rpt.analyse(records, fields=fields, extra=extra, warmup_steps=args.warmup,
-                             top_k=args.top)
+        report = analyse(records, fields=fields, extra=extra, warmup_steps=args.warmup,
+                         top_k=args.top)
     except ShardloaderError:
         raise
     except Exception as e:  # MLflow: unknown run, unreachable server
         if type(e).__module__.startswith("mlflow"):
             raise TelemetryInputError(f"MLflow run {args.run}: {e}") from None
         raise
-    text = rpt.render_text(report, title=title)
+    text = render_text(report, title=title)
     plot_path = args.plot or (args.run + ".report.png" if is_file else None)
     with tempfile.TemporaryDirectory() as tmp:
-        png = rpt.plot(records, plot_path or os.path.join(tmp, "report.png"), title=title)
+        png = plot(records, plot_path or os.path.join(tmp, "report.png"), title=title)
         if not is_file and not args.no_artifact:
             _log_artifacts(args, tmp, png, text, report)
     print(json.dumps(report, indent=1) if args.json else text, end="" if not args.json else "\n")
@@ -101,7 +103,7 @@ def check_server(tracking_uri: str | None, timeout: float) -> None:
     """Raise TelemetryInputError naming the URI if the tracking server does not answer."""
     import mlflow
 
-    from shardloader.telemetry.probe import probe
+    from shardloader.telemetry.mlflow.probe import probe
 
     uri = tracking_uri or mlflow.get_tracking_uri()
     reason = probe(uri, timeout)

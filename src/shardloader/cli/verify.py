@@ -22,8 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardloader.format.verify import verify_dataset
-    from shardloader.source import load_index
+    from shardloader.ingest.verify import verify_dataset
+    from shardloader.source.index import load_index
 
     problems = verify_dataset(args.url, args.storage_options, progress=show_progress(args))
     if problems:

@@ -4,7 +4,7 @@ The file is memory-mapped and its record batches are opened zero-copy, so openin
 reads only its footer and batch metadata. Reading rows slices just those rows out of the mapped
 column buffers and converts only them to Python values; binary and string values are read
 with `pread` at their place in the file (see `ipc.BatchReader`). Files are written
-uncompressed (see `shardloader.format.writer`) so that nothing has to be decoded.
+uncompressed (see `shardloader.ingest.writer`) so that nothing has to be decoded.
 
 Two readers lie behind `ArrowShardReader`: `shardloader.format.ipc` for the column types the
 writer produces (binary, string, numbers, fixed-shape tensors; no nulls), which needs no
@@ -13,8 +13,10 @@ with `benchmarks.memory`); and pyarrow's IPC reader for any other file, which al
 error for a damaged one. Both give the same values and types (tests compare them).
 
 Before and after each read the reader checks that the mapped file still has the identity it was
-opened with (`shardloader.format.identity`), so a shard truncated under it is a ShardError
+opened with (`shardloader.io.identity`), so a shard truncated under it is a ShardError
 naming it rather than SIGBUS on a page past the new end of the file.
+
+Rows read by byte range from a file not fetched whole: `shardloader.format.arrow_ranges`.
 """
 
 from __future__ import annotations
@@ -27,11 +29,11 @@ from typing import Any
 import numpy as np
 
 from shardloader.errors import ShardError, ShardloaderError
-from shardloader.format import ipc
-from shardloader.format.identity import FileGuard, FileIdentity
-from shardloader.format.index import ShardInfo
-from shardloader.format.reader import MappedPages, memory_map_shard
+from shardloader.format import arrow_ranges, ipc
+from shardloader.format.mapped import MappedPages, MmapPages, close_mmap, memory_map_shard
+from shardloader.format.protocol import FormatCode, ShardEntry
 from shardloader.format.rows import check_shard, gather_rows
+from shardloader.io.identity import FileGuard, FileIdentity
 
 
 class ArrowShardReader:
@@ -39,10 +41,11 @@ class ArrowShardReader:
 
     Checks on open: the file is a readable Arrow IPC file, its row count equals the index
     entry's `samples`, and (when `schema` is given) its fields and types equal the index schema.
-    With `expect`, the file must be the one its source verified (see `open_shard`).
+    With `expect`, the file must be the one its source verified (see
+    `shardloader.format.registry.open_shard`).
     """
 
-    def __init__(self, path: str, info: ShardInfo, schema: Mapping[str, str] | None = None, *,
+    def __init__(self, path: str, info: ShardEntry, schema: Mapping[str, str] | None = None, *,
                  expect: FileIdentity | None = None) -> None:
         self.path = path
         self.info = info
@@ -50,7 +53,7 @@ class ArrowShardReader:
         native = _open_native(path, info, expect)
         if native is not None:
             self._map, self._guard, parsed = native
-            self._pages: Any = _MmapPages(self._map)
+            self._pages: Any = MmapPages(self._map)
             self._batches: list[Any] = [ipc.BatchReader(b, self._guard.fd, path)
                                         for b in parsed.batches]
             names = parsed.schema
@@ -69,7 +72,7 @@ class ArrowShardReader:
             self.close()
             raise
 
-    def _open_pyarrow(self, path: str, info: ShardInfo, expect: FileIdentity | None) -> dict[str, str]:
+    def _open_pyarrow(self, path: str, info: ShardEntry, expect: FileIdentity | None) -> dict[str, str]:
         """Open the file with pyarrow (any file `ipc` does not read); returns its schema."""
         import pyarrow as pa
 
@@ -131,7 +134,7 @@ class ArrowShardReader:
         self._raw = []
         self._pages = None
         if isinstance(self._map, mmap.mmap):
-            _close_mmap(self._map)
+            close_mmap(self._map)
             if self._guard.fd >= 0:
                 os.close(self._guard.fd)
                 self._guard.fd = -1
@@ -145,7 +148,7 @@ class ArrowShardReader:
         self.close()
 
 
-def _open_native(path: str, info: ShardInfo,
+def _open_native(path: str, info: ShardEntry,
                  expect: FileIdentity | None) -> tuple[mmap.mmap, FileGuard, ipc.IpcFile] | None:
     """(map, guard, parsed file) when `ipc` reads the file; None when pyarrow must (the file is
     outside `ipc`'s types, or damaged: pyarrow then words the error). A missing file or one
@@ -168,28 +171,11 @@ def _open_native(path: str, info: ShardInfo,
         os.close(fd)
         raise
     if parsed is None:
-        _close_mmap(mapped)
+        close_mmap(mapped)
         os.close(fd)
         return None
     return mapped, guard, parsed
 
 
-def _close_mmap(mapped: mmap.mmap) -> None:
-    """Close a map, or leave it to be unmapped with the last view of it (numpy views of its
-    buffers; the records read are copies, so only a caller's own reference can hold one)."""
-    try:
-        mapped.close()
-    except BufferError:
-        pass
-
-
-class _MmapPages:
-    """`MappedPages` for a Python `mmap`: after a read, the touched pages of the read-only
-    shard mapping leave this process's resident set (they stay in the page cache)."""
-
-    def __init__(self, mapped: mmap.mmap) -> None:
-        self._mapped = mapped
-
-    def drop(self) -> None:
-        if not self._mapped.closed and hasattr(self._mapped, "madvise"):
-            self._mapped.madvise(mmap.MADV_DONTNEED)
+FORMAT_CODE = FormatCode(open_reader=ArrowShardReader, range_table=arrow_ranges.range_table,
+                         rows_from_spans=arrow_ranges.rows_from_spans)

@@ -35,13 +35,13 @@ from typing import Any
 import numpy as np
 
 from shardloader.errors import DatasetIndexError, UnsafePathError
-from shardloader.format.checksum import parse_checksum
-from shardloader.format.paths import safe_relative_path
+from shardloader.format.registry import FORMATS
+from shardloader.io.checksum import parse_checksum
+from shardloader.io.paths import safe_relative_path
 
 INDEX_NAME = "index.json"
 INDEX_FORMAT = "shardloader-index"
 INDEX_VERSION = 1
-SHARD_FORMATS = ("arrow", "tar", "parquet")
 _REQUIRED_SHARD_KEYS = ("path", "format", "samples", "bytes", "checksum")
 
 
@@ -50,7 +50,7 @@ class ShardInfo:
     """One shard's entry in the index."""
 
     path: str  # relative to the dataset root, validated
-    format: str  # "arrow" | "tar" | "parquet"
+    format: str  # a name in `shardloader.format.registry.FORMATS`
     samples: int
     bytes: int
     checksum: str  # "algorithm:hexdigest"
@@ -79,8 +79,8 @@ class ShardInfo:
         except UnsafePathError as e:
             raise UnsafePathError(f"{e} (in the index)") from None
         fmt = entry["format"]
-        if fmt not in SHARD_FORMATS:
-            raise DatasetIndexError(f"{where}: unknown shard format {fmt!r} (known: {', '.join(SHARD_FORMATS)})")
+        if not isinstance(fmt, str) or fmt not in FORMATS:
+            raise DatasetIndexError(f"{where}: unknown shard format {fmt!r} (known: {', '.join(FORMATS)})")
         for key in ("samples", "bytes"):
             value = entry[key]
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

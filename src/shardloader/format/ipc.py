@@ -11,8 +11,8 @@ buffers, and a row is a slice of them.
 What is parsed: the file's footer (schema, record batch blocks) and each record batch's
 message (field nodes, buffer offsets), all FlatBuffers, with a reader of the few FlatBuffers
 rules they use (tables through vtables, vectors, strings, structs); for rows read by range
-(`shardloader.format.ranges`), the footer and only the record batches the rows lie in. Spec:
-https://arrow.apache.org/docs/format/Columnar.html#ipc-file-format (and the `File.fbs`,
+(`shardloader.format.arrow_ranges`), the footer and only the record batches the rows lie in.
+Spec: https://arrow.apache.org/docs/format/Columnar.html#ipc-file-format (and the `File.fbs`,
 `Message.fbs`, `Schema.fbs` it links).
 
 Supported: fields of type binary, string (and their large variants), int8..uint64, float16..64,
@@ -164,7 +164,7 @@ class IpcFile:
 
 
 @dataclass
-class Layout:
+class IpcFileLayout:
     """What an Arrow IPC file's footer says: its columns, and where each record batch lies
     (offset of its message, length of the message's metadata, length of its body)."""
 
@@ -188,10 +188,10 @@ def parse_file(data: Any) -> IpcFile | None:
     return IpcFile(layout.columns, batches)
 
 
-def parse_layout(data: Any) -> Layout | None:
+def parse_layout(data: Any) -> IpcFileLayout | None:
     """The footer of the Arrow IPC file in `data`, without reading any record batch: for an
     image of a file of which only some byte ranges are present (see
-    `shardloader.format.ranges`), whose other batches are zeros. None as `parse_file`."""
+    `shardloader.format.arrow_ranges`), whose other batches are zeros. None as `parse_file`."""
     if sys.byteorder != "little":
         return None
     try:
@@ -200,7 +200,7 @@ def parse_layout(data: Any) -> Layout | None:
         return None
 
 
-def parse_batch(data: Any, layout: Layout, index: int, rows: np.ndarray | None = None) -> RecordBatch | None:
+def parse_batch(data: Any, layout: IpcFileLayout, index: int, rows: np.ndarray | None = None) -> RecordBatch | None:
     """Record batch `index` of the file in `data` (see `parse_layout`); None as `parse_file`.
 
     With `rows` (positions in the batch), only what reading those rows needs is checked: of a
@@ -216,7 +216,7 @@ def parse_batch(data: Any, layout: Layout, index: int, rows: np.ndarray | None =
         return None
 
 
-def _layout(buf: _Buffer) -> Layout:
+def _layout(buf: _Buffer) -> IpcFileLayout:
     size = buf.size
     if size < 18 or bytes(buf.data[:6]) != _MAGIC or bytes(buf.data[size - 6:]) != _MAGIC:
         raise Unsupported("not an Arrow IPC file")
@@ -237,7 +237,7 @@ def _layout(buf: _Buffer) -> Layout:
     # struct Block { offset: long; metaDataLength: int; bodyLength: long }
     blocks = [(buf.i64(start + 24 * i), buf.i32(start + 24 * i + 8), buf.i64(start + 24 * i + 16))
               for i in range(count)]
-    return Layout(columns, blocks)
+    return IpcFileLayout(columns, blocks)
 
 
 def _column(buf: _Buffer, field: int) -> Column:

@@ -10,10 +10,15 @@ see benchmarks/read_rows.py for the cost of each.
 The file is memory-mapped: like the Arrow reader, this one checks the file's identity before
 and after each read, so a shard truncated under it is a ShardError naming it, not SIGBUS. A
 null in a row that is read is a SchemaError naming the file, row and field.
+
+By byte range (see `shardloader.format.ranges`), the unit is the row group too: a read needs
+the footer and the column chunks of the row groups its rows lie in, and rebuilds the rows from
+an image of the file holding just those (`shardloader.format.spans`), decoded as here.
 """
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,16 +28,19 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardloader.errors import ShardError, ShardloaderError
-from shardloader.format.identity import FileIdentity
-from shardloader.format.index import ShardInfo
-from shardloader.format.reader import MappedPages, memory_map_shard
-from shardloader.format.schema import BatchRows, check_shard, gather_rows, schema_names
+from shardloader.format.mapped import MappedPages, memory_map_shard
+from shardloader.format.protocol import FormatCode, ShardEntry
+from shardloader.format.ranges import RangeTable, RangeTableBuilder
+from shardloader.format.rows import check_shard, gather_rows
+from shardloader.format.schema import BatchRows, schema_names
+from shardloader.format.spans import file_image
+from shardloader.io.identity import FileIdentity
 
 
 def row_group_rows(file: pq.ParquetFile, group: int, *, where: str, first_row: int) -> BatchRows:
     """Row access to row group `group` of `file`, decoded whole (the unit Parquet decodes);
     a ShardError naming `where` when it cannot be decoded. Shared with reads by byte range
-    (`shardloader.format.ranges`), so both give the same values."""
+    (`rows_from_spans`), so both give the same values."""
     try:
         table = file.read_row_group(group)
     except (pa.ArrowException, OSError) as e:
@@ -48,7 +56,7 @@ class ParquetShardReader:
     def __init__(
         self,
         path: str,
-        info: ShardInfo,
+        info: ShardEntry,
         schema: Mapping[str, str] | None = None,
         *,
         cache_bytes: int = 32 << 20,
@@ -150,3 +158,45 @@ class ParquetShardReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def range_table(data: memoryview | bytes, member_spans: np.ndarray | None = None) -> RangeTable:
+    """The range table of a Parquet file whose bytes are `data`: the footer, and each row
+    group's column chunks (the unit Parquet decodes). A Parquet file has no member spans."""
+    view = memoryview(data)
+    size = len(view)
+    (footer_len,) = struct.unpack_from("<i", view, size - 8)
+    b = RangeTableBuilder(view)
+    shared = [b.span(0, 4), b.span(size - 8 - footer_len, footer_len + 8)]
+    meta = pq.ParquetFile(pa.BufferReader(pa.py_buffer(view))).metadata
+    groups, group_rows = [], [0]
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        lo, hi = size, 0
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            first = col.data_page_offset
+            if col.has_dictionary_page and col.dictionary_page_offset:
+                first = min(first, col.dictionary_page_offset)
+            lo, hi = min(lo, first), max(hi, first + col.total_compressed_size)
+        groups.append([b.span(lo, hi - lo)] if hi > lo else [])
+        group_rows.append(group_rows[-1] + rg.num_rows)
+    return b.table("parquet", shared, group_rows, groups, [[] for _ in range(group_rows[-1])])
+
+
+def rows_from_spans(table: RangeTable, fetched: Mapping[int, bytes], rows: Sequence[int] | np.ndarray,
+                    *, where: str, members: Any = None) -> list[dict[str, Any]]:
+    """Records of `rows` of a Parquet file from verified spans `fetched`, decoding each row
+    group touched (see `shardloader.format.protocol.RowsFromSpans`; no `members`)."""
+    rows = np.asarray(rows, dtype=np.int64)
+    image = file_image(table, fetched, table.needed(rows))
+    file = pq.ParquetFile(pa.BufferReader(pa.py_buffer(image)))
+
+    def read_group(g: int, local: np.ndarray) -> list[dict[str, Any]]:
+        return row_group_rows(file, g, where=where, first_row=int(table.group_rows[g])).records(local)
+
+    return gather_rows(table.group_rows, rows, read_group, where=where)
+
+
+FORMAT_CODE = FormatCode(open_reader=ParquetShardReader, range_table=range_table,
+                         rows_from_spans=rows_from_spans)

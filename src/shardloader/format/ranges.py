@@ -1,12 +1,12 @@
 """Range tables: which bytes of a shard file hold which rows, with a hash of each byte range.
 
 A cold cache should not make the first batch wait for whole shards: a reader can fetch just the
-bytes its rows live in, by range, while whole shards download behind it. This module knows,
-for each shard format, which byte ranges ("spans") those are, and records them with an xxh3-64
-hash of each span in a sidecar ``<shard>.ranges`` written with the shard (by the writer and by
-`shardloader index`). The index entry of the shard describes the sidecar under ``"ranges"``
-(path, size, checksum), so the sidecar is verified by the index, and every span read by range
-is verified by its hash in the sidecar: bytes read by range are never silently wrong (I6, I9).
+bytes its rows live in, by range, while whole shards download behind it. A range table records
+which byte ranges ("spans") of a shard file those are, with an xxh3-64 hash of each span, in a
+sidecar ``<shard>.ranges`` written with the shard (by the writer and by `shardloader index`).
+The index entry of the shard describes the sidecar under ``"ranges"`` (path, size, checksum),
+so the sidecar is verified by the index, and every span read by range is verified by its hash
+in the sidecar: bytes read by range are never silently wrong (I6, I9).
 
 What a read of some rows needs (span ids into the table):
 
@@ -17,11 +17,11 @@ What a read of some rows needs (span ids into the table):
 - per row: the spans that hold that row's values (Arrow: each column's offsets entries and
   value bytes; tar: each member's data). Parquet rows have none: the row group is the unit.
 
-`rows_from_spans` turns verified spans back into records through the same code the local
-readers use, so rows read by range are byte-identical to rows read from the whole file: Arrow
-and Parquet rebuild a sparse image of the file (zeros outside the fetched spans, which the
-decode of the requested rows never touches) and read it with pyarrow and `BatchRows`; a tar's
-records are the members' bytes, as `TarShardReader` returns them.
+Which spans those are is each format's to say: its code builds the table from the file's bytes
+with a `RangeTableBuilder` (`FormatCode.range_table`, see `shardloader.format.registry`), and
+turns verified spans back into records through the same code its local reader uses
+(`FormatCode.rows_from_spans`), so rows read by range are byte-identical to rows read from
+the whole file. This module is the table itself, its sidecar bytes and the sidecar's names.
 
 Sidecar layout (little-endian)::
 
@@ -40,7 +40,6 @@ rows' large values, in as few requests as possible.
 from __future__ import annotations
 
 import json
-import mmap
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,11 +48,11 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from shardloader.arrays import sorted_unique
 from shardloader.errors import ShardError
-from shardloader.format.checksum import checksum_bytes
+from shardloader.format.arrays import sorted_unique
+from shardloader.io.checksum import checksum_bytes
 
-RANGES_KEY = "ranges"  # the shard index entry's key describing the sidecar
+RANGES_KEY = "ranges"  # the shard index entry's key describing the sidecar (every format has one)
 RANGES_SUFFIX = ".ranges"
 _MAGIC = b"SLRNG1\n\0"
 #: Shared and group spans (headers, footers, batch metadata) of at most this many bytes, and
@@ -235,8 +234,9 @@ class InlineSpans(Mapping[int, bytes]):
         return len(self._ids)
 
 
-class _Builder:
-    """Collects spans (deduplicated) while a table is built."""
+class RangeTableBuilder:
+    """Collects the spans of a file (deduplicated) while its format's code builds its table:
+    `span` gives the id of a byte range (None for an empty one), `table` the finished table."""
 
     def __init__(self, data: memoryview) -> None:
         self.data = data
@@ -271,288 +271,3 @@ class _Builder:
         return RangeTable(fmt, len(self.data), spans, hashes, np.asarray(clean(shared), dtype=np.int64),
                           np.asarray(group_rows, dtype=np.int64), group_ptr, group_ids, row_ptr, row_ids,
                           inline)
-
-
-# -- building: Arrow IPC -----------------------------------------------------------------------
-def _fixed_width(dtype: Any) -> int | None:
-    import pyarrow as pa
-
-    if pa.types.is_integer(dtype) or pa.types.is_floating(dtype):
-        return dtype.bit_width // 8
-    return None
-
-
-def _array_row_spans(a: Any, addr: Any, n: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[tuple[int, int]]]:
-    """(per-row spans as (starts, lengths) arrays of length n, spans any read of the batch needs)
-    of array `a` (n rows) whose buffers lie in the file at `addr(buffer)`. Types whose rows the
-    readers might touch beyond their own bytes get all their buffers as batch-wide spans."""
-    import pyarrow as pa
-
-    dtype = a.type
-    if isinstance(dtype, pa.ExtensionType):
-        return _array_row_spans(a.storage, addr, n)
-    buffers = a.buffers()
-    rows: list[tuple[np.ndarray, np.ndarray]] = []
-    whole: list[tuple[int, int]] = []
-    if a.null_count and buffers[0] is not None:  # BatchRows checks the whole validity bitmap
-        whole.append((addr(buffers[0]), buffers[0].size))
-    index = a.offset + np.arange(n, dtype=np.int64)
-    width = _fixed_width(dtype)
-    if width is not None and buffers[1] is not None:
-        rows.append((addr(buffers[1]) + index * width, np.full(n, width, dtype=np.int64)))
-        return rows, whole
-    if pa.types.is_boolean(dtype) and buffers[1] is not None:
-        rows.append((addr(buffers[1]) + index // 8, np.ones(n, dtype=np.int64)))
-        return rows, whole
-    varlen = {pa.types.is_binary: 4, pa.types.is_string: 4, pa.types.is_large_binary: 8,
-              pa.types.is_large_string: 8}
-    size = next((s for test, s in varlen.items() if test(dtype)), None)
-    if size is not None and buffers[1] is not None:
-        offsets = np.frombuffer(buffers[1], dtype=np.int32 if size == 4 else np.int64).astype(np.int64)
-        rows.append((addr(buffers[1]) + index * size, np.full(n, 2 * size, dtype=np.int64)))
-        if buffers[2] is not None and n:
-            rows.append((addr(buffers[2]) + offsets[index], offsets[index + 1] - offsets[index]))
-        return rows, whole
-    if pa.types.is_fixed_size_list(dtype):
-        child = a.values  # the child array of the unsliced list: row r is at (offset + r) * size
-        child_width = _fixed_width(child.type)
-        child_buffers = child.buffers()
-        if child_width is not None and not child.null_count and child_buffers[1] is not None:
-            step = dtype.list_size * child_width
-            rows.append((addr(child_buffers[1]) + (child.offset * child_width) + index * step,
-                         np.full(n, step, dtype=np.int64)))
-            return rows, whole
-    if pa.types.is_struct(dtype):
-        for i in range(dtype.num_fields):
-            child_rows, child_whole = _array_row_spans(a.field(i), addr, n)
-            rows += child_rows
-            whole += child_whole
-        return rows, whole
-    # Any other type: every buffer of the column (children included), for every read of its batch.
-    return [], whole + [(addr(b), b.size) for b in buffers if b is not None and b.size]
-
-
-def arrow_table(data: memoryview | bytes) -> RangeTable:
-    """The range table of an Arrow IPC file whose bytes are `data`."""
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
-
-    view = memoryview(data)
-    buf = pa.py_buffer(view)
-    base = buf.address
-
-    def addr(b: Any) -> int:
-        return int(b.address - base)
-
-    stream = pa.BufferReader(buf)
-    stream.seek(8)
-    messages = ipc.MessageReader.open_stream(stream)
-    position, batch_spans = 8, []  # (message start, body start) per record batch
-    first_batch = None
-    while True:
-        try:
-            message = messages.read_next_message()
-        except StopIteration:
-            break
-        end = stream.tell()
-        if message.type == "record batch":
-            body = message.body
-            body_start = addr(body) if body is not None and body.size else end
-            batch_spans.append((position, body_start))
-            first_batch = position if first_batch is None else first_batch
-        position = end
-    reader = ipc.open_file(buf)
-    if reader.num_record_batches != len(batch_spans):
-        raise ShardError(f"file holds {reader.num_record_batches} record batches but its messages {len(batch_spans)}")
-    b = _Builder(view)
-    head_end = first_batch if first_batch is not None else position
-    shared = [b.span(0, head_end), b.span(position, len(view) - position)]  # schema+dicts; footer
-    groups: list[list[int | None]] = []
-    rows: list[list[int | None]] = []
-    group_rows = [0]
-    for i, (start, body_start) in enumerate(batch_spans):
-        batch = reader.get_batch(i)
-        n = batch.num_rows
-        group = [b.span(start, body_start - start)]
-        per_row: list[list[int | None]] = [[] for _ in range(n)]
-        for column in batch.columns:
-            column_rows, column_whole = _array_row_spans(column, addr, n)
-            group += [b.span(o, s) for o, s in column_whole]
-            for starts, lengths in column_rows:
-                for r, (o, s) in enumerate(zip(starts.tolist(), lengths.tolist())):
-                    per_row[r].append(b.span(o, s))
-        groups.append(group)
-        rows += per_row
-        group_rows.append(group_rows[-1] + n)
-    return b.table("arrow", shared, group_rows, groups, rows)
-
-
-# -- building: Parquet -------------------------------------------------------------------------
-def parquet_table(data: memoryview | bytes) -> RangeTable:
-    """The range table of a Parquet file whose bytes are `data`: the footer, and each row
-    group's column chunks (the unit Parquet decodes)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    view = memoryview(data)
-    size = len(view)
-    (footer_len,) = struct.unpack_from("<i", view, size - 8)
-    b = _Builder(view)
-    shared = [b.span(0, 4), b.span(size - 8 - footer_len, footer_len + 8)]
-    meta = pq.ParquetFile(pa.BufferReader(pa.py_buffer(view))).metadata
-    groups, group_rows = [], [0]
-    for g in range(meta.num_row_groups):
-        rg = meta.row_group(g)
-        lo, hi = size, 0
-        for c in range(rg.num_columns):
-            col = rg.column(c)
-            first = col.data_page_offset
-            if col.has_dictionary_page and col.dictionary_page_offset:
-                first = min(first, col.dictionary_page_offset)
-            lo, hi = min(lo, first), max(hi, first + col.total_compressed_size)
-        groups.append([b.span(lo, hi - lo)] if hi > lo else [])
-        group_rows.append(group_rows[-1] + rg.num_rows)
-    return b.table("parquet", shared, group_rows, groups, [[] for _ in range(group_rows[-1])])
-
-
-# -- building: tar -----------------------------------------------------------------------------
-def tar_table(data: memoryview | bytes, spans: np.ndarray) -> RangeTable:
-    """The range table of a tar whose bytes are `data`, from its member table `spans`
-    (int64 [samples, fields, 2]: data offset, size): each row's spans are its members."""
-    view = memoryview(data)
-    b = _Builder(view)
-    rows = [[b.span(o, s) for o, s in sample] for sample in spans.tolist()]
-    return b.table("tar", [], [0, len(rows)], [[]], rows)
-
-
-def build_table(fmt: str, data: memoryview | bytes, tar_spans: np.ndarray | None = None) -> RangeTable:
-    """The range table of a shard file of format `fmt` (tar needs its member spans)."""
-    if fmt == "arrow":
-        return arrow_table(data)
-    if fmt == "parquet":
-        return parquet_table(data)
-    if fmt == "tar":
-        assert tar_spans is not None
-        return tar_table(data, tar_spans)
-    raise ValueError(f"unknown shard format {fmt!r}")
-
-
-def table_of_file(path: str, fmt: str, tar_spans: np.ndarray | None = None) -> RangeTable:
-    """The range table of the local shard file at `path` (memory-mapped while it is built)."""
-    import mmap
-
-    with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        if size == 0:
-            return build_table(fmt, b"", tar_spans)
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-            view = memoryview(m)
-            try:
-                return build_table(fmt, view, tar_spans)
-            finally:
-                view.release()
-
-
-# -- reading rows back from verified spans -----------------------------------------------------
-def _image(table: RangeTable, fetched: Mapping[int, bytes], ids: np.ndarray) -> np.ndarray:
-    """A zero-filled image of the file with spans `ids` (taken from `fetched`) in place; only
-    the spans the read needs are placed (not every inline span of the sidecar: 2,000 writes per
-    1,000-row shard, 5 ms, for a read of 4 rows).
-
-    The image is an anonymous memory map: the kernel gives zero pages on first touch, so a
-    large shard's image costs only the pages placed. `np.zeros` does not guarantee that: once
-    glibc has raised its mmap threshold (it does after freeing a large block), a 15 MB zeros
-    comes from the heap and is cleared whole, measured 9 ms per shard in a worker, 70 ms for
-    the 8 shards of a cold first batch. Unmapped when the last view of it goes."""
-    image = np.frombuffer(mmap.mmap(-1, max(1, table.shard_bytes)), dtype=np.uint8)[:table.shard_bytes]
-    for i, (offset, length) in zip(ids.tolist(), table.spans[ids].tolist()):
-        image[offset:offset + length] = np.frombuffer(fetched[i], dtype=np.uint8)
-    return image
-
-
-def _arrow_rows(table: RangeTable, image: np.ndarray, rows: np.ndarray, where: str) -> list[dict[str, Any]] | None:
-    """`rows_from_spans` of an Arrow file by `shardloader.format.ipc`, which reads the image's
-    footer and the record batches the rows lie in, nothing else; None for a file it does not
-    read, which pyarrow then reads. Why: a worker's first read by range would otherwise import
-    pyarrow, 66 of the 111 ms its first batch took in a cold start (profiled in the worker).
-    The values are those of `BatchRows` (tests/test_format_ranges.py compares them)."""
-    from shardloader.format import ipc
-    from shardloader.format.rows import gather_rows
-
-    layout = ipc.parse_layout(image)
-    if layout is None or len(layout.blocks) != len(table.group_rows) - 1:
-        return None
-
-    def read_batch(g: int, local: np.ndarray) -> list[dict[str, Any]]:
-        batch = ipc.parse_batch(image, layout, g, local)
-        if batch is None or batch.num_rows != int(table.group_rows[g + 1] - table.group_rows[g]):
-            raise _Declined
-        return ipc.BatchReader(batch).records(local)
-
-    try:
-        return gather_rows(table.group_rows, rows, read_batch, where=where)
-    except _Declined:
-        return None
-
-
-class _Declined(Exception):
-    """A record batch `shardloader.format.ipc` does not read: pyarrow reads the file instead."""
-
-
-def rows_from_spans(table: RangeTable, fetched: Mapping[int, bytes], rows: Sequence[int],
-                    *, where: str, tar_offsets: Any = None) -> list[dict[str, Any]]:
-    """Records of `rows` (any order, repeats allowed) from verified spans `fetched` (span id ->
-    bytes; at least `table.needed(rows)`), byte-identical to the local reader's. A tar needs its
-    member table `tar_offsets` (a `TarOffsets`, for the keys and the field order)."""
-    rows = np.asarray(rows, dtype=np.int64)
-    if table.format == "tar":
-        from shardloader.format.tar import KEY_FIELD
-
-        assert tar_offsets is not None
-        ids = table.needed(rows)
-        lookup = {(o, n): fetched[i] for i, (o, n) in zip(ids.tolist(), table.spans[ids].tolist())}
-        out = []
-        for r in rows.tolist():
-            record: dict[str, Any] = {}
-            for field, (offset, size) in zip(tar_offsets.fields, tar_offsets.spans[r].tolist()):
-                record[field] = b"" if size == 0 else bytes(lookup[(offset, size)])
-            record[KEY_FIELD] = tar_offsets.keys[r]
-            out.append(record)
-        return out
-    image = _image(table, fetched, table.needed(rows))
-    if table.format == "arrow":
-        records = _arrow_rows(table, image, rows, where)
-        if records is not None:
-            return records
-    import pyarrow as pa
-
-    from shardloader.format.schema import BatchRows, gather_rows
-
-    buf = pa.py_buffer(image)
-    if table.format == "arrow":
-        import pyarrow.ipc as ipc
-
-        reader = ipc.open_file(buf)
-
-        def read_batch(g: int, local: np.ndarray) -> list[dict[str, Any]]:
-            return BatchRows(reader.get_batch(g), where=where, first_row=int(table.group_rows[g])).records(local)
-
-        return gather_rows(table.group_rows, rows, read_batch, where=where)
-    if table.format == "parquet":
-        import pyarrow.parquet as pq
-
-        from shardloader.format.parquet import row_group_rows
-
-        file = pq.ParquetFile(pa.BufferReader(buf))
-
-        def read_group(g: int, local: np.ndarray) -> list[dict[str, Any]]:
-            return row_group_rows(file, g, where=where, first_row=int(table.group_rows[g])).records(local)
-
-        return gather_rows(table.group_rows, rows, read_group, where=where)
-    raise ValueError(f"{where}: unknown shard format {table.format!r}")
-
-
-__all__ = [
-    "RANGES_KEY", "RANGES_SUFFIX", "RangeTable", "arrow_table", "build_table", "parquet_table",
-    "ranges_entry", "ranges_path", "rows_from_spans", "span_hash", "table_of_file", "tar_table",
-]

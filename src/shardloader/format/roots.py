@@ -13,10 +13,13 @@ from __future__ import annotations
 import os
 import posixpath
 
-INDEX_NAME = "index.json"
-SHARD_EXTENSIONS = (".arrow", ".tar", ".parquet")
-_INDEXABLE = (".tar", ".parquet")
-# Image extensions torchvision's ImageFolder reads (kept equal to format.convert's list).
+from shardloader.format.index import INDEX_NAME
+from shardloader.format.registry import FORMATS
+
+SHARD_EXTENSIONS = tuple(f.suffix for f in FORMATS.values())
+_COMPANION_NAMES = tuple(f.suffix + f.companion.suffix for f in FORMATS.values() if f.companion)
+_INDEXABLE = tuple(f.suffix for f in FORMATS.values() if f.indexable)
+# Image extensions torchvision's ImageFolder reads (kept equal to ingest.convert's list).
 _IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
@@ -66,7 +69,7 @@ def root_hint(url: str) -> str:
     parent = _parent(url)
     if name == INDEX_NAME:
         return f" ({url} is the index file itself: pass the folder that holds it, {parent})"
-    if name.lower().endswith(SHARD_EXTENSIONS + (".tar.idx",)):
+    if name.lower().endswith(SHARD_EXTENSIONS + _COMPANION_NAMES):
         hint = f" ({url} is a shard file: pass the dataset folder that holds it and its index.json"
         if name.lower().endswith(_INDEXABLE):
             hint += (f"; to read a folder of .tar/.parquet files in place, index it first: "

@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from shardloader.arrays import sorted_unique
 from shardloader.errors import SchemaError, ShardChangedError, ShardError
+from shardloader.format.arrays import sorted_unique
 
 
 def check_schema(actual: Mapping[str, str], expected: Mapping[str, str], *, where: str) -> None:

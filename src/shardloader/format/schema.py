@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from shardloader.errors import SchemaError
-from shardloader.format.rows import check_schema, check_shard, gather_rows, pread_values  # noqa: F401 - re-exported
+from shardloader.format.rows import pread_values
 
 _SCALARS: dict[str, pa.DataType] = {
     "binary": pa.binary(),

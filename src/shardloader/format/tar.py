@@ -1,4 +1,5 @@
-"""WebDataset tar shards: read in place by seeking to member offsets, and written.
+"""WebDataset tar shards: read in place by seeking to member offsets (written by
+`shardloader.format.tar_writer`).
 
 Grouping follows webdataset's rule: a member's key is its path up to the first dot of its
 basename and its field is the rest of the name, lowercased (``a/0001.seg.PNG`` -> key
@@ -27,7 +28,6 @@ Sidecar layout (little-endian)::
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -36,24 +36,25 @@ import tarfile
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 import numpy as np
 
 from shardloader.errors import SchemaError, ShardError, ShardloaderError
-from shardloader.format.checksum import checksum_bytes, parse_checksum
-from shardloader.format.identity import FileGuard, FileIdentity
-from shardloader.format.index import ShardInfo
-from shardloader.format.paths import safe_relative_path
+from shardloader.format.protocol import FormatCode, ShardEntry
+from shardloader.format.ranges import RangeTable, RangeTableBuilder
 from shardloader.format.rows import check_schema
+from shardloader.io.checksum import checksum_bytes, parse_checksum
+from shardloader.io.identity import FileGuard, FileIdentity
+from shardloader.io.paths import safe_relative_path
 
 KEY_FIELD = "__key__"
 SIDECAR_SUFFIX = ".idx"
 OFFSETS_KEY = "offsets"  # the shard index entry's key describing the sidecar
 _SIDECAR_MAGIC = b"SLTIDX1\n"
-_BLOCK = 512
+BLOCK = 512
 _KEY_RE = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")  # webdataset's base_plus_ext rule
-_META_RE = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta rule
+META_RE = re.compile(r"__[^/]*__($|/)")  # webdataset's skip_meta rule
 
 
 def split_member_name(name: str) -> tuple[str, str] | None:
@@ -153,7 +154,7 @@ def scan_tar(path: str, *, name: str | None = None) -> TarOffsets:
                 if member is None:
                     break
                 _check_member(name, member)
-                if not member.isreg() or _META_RE.match(member.name):
+                if not member.isreg() or META_RE.match(member.name):
                     continue
                 split = split_member_name(member.name)
                 if split is None:
@@ -171,14 +172,14 @@ def scan_tar(path: str, *, name: str | None = None) -> TarOffsets:
                 spans[-1][field] = (member.offset_data, member.size)
             end = tf.offset
             raw.seek(end)
-            trailer = raw.read(_BLOCK)
+            trailer = raw.read(BLOCK)
     except tarfile.TarError as e:
         raise ShardError(f"{name}: not a readable tar file (truncated or corrupt?): {e}") from None
-    if len(trailer) < _BLOCK:
+    if len(trailer) < BLOCK:
         raise ShardError(
             f"{name}: tar ends at byte {size} without the end-of-archive marker (truncated?)"
         )
-    if trailer.count(0) != _BLOCK:
+    if trailer.count(0) != BLOCK:
         raise ShardError(f"{name}: invalid tar header at byte {end} (corrupt?)")
     fields = tuple(spans[0]) if spans else ()
     for key, sample in zip(keys, spans):
@@ -199,7 +200,7 @@ def offsets_entry(relative_path: str, data: bytes) -> dict[str, Any]:
     return {"path": relative_path, "bytes": len(data), "checksum": checksum_bytes(data)}
 
 
-def _load_sidecar(path: str, info: ShardInfo) -> TarOffsets | None:
+def _load_sidecar(path: str, info: ShardEntry) -> TarOffsets | None:
     """The sidecar's table when the index describes one and the local file verifies, else None."""
     entry = info.extra.get(OFFSETS_KEY)
     local = sidecar_path(path)
@@ -217,7 +218,7 @@ def _load_sidecar(path: str, info: ShardInfo) -> TarOffsets | None:
         return None
 
 
-def load_offsets(path: str, info: ShardInfo) -> TarOffsets:
+def load_offsets(path: str, info: ShardEntry) -> TarOffsets:
     """The member table of the tar at `path`: from its verified sidecar, else by scanning."""
     table = _load_sidecar(path, info)
     if table is None:
@@ -231,7 +232,7 @@ def load_offsets(path: str, info: ShardInfo) -> TarOffsets:
     return table
 
 
-def _open_fd(path: str, info: ShardInfo) -> int:
+def _open_fd(path: str, info: ShardEntry) -> int:
     try:
         return os.open(path, os.O_RDONLY)
     except FileNotFoundError:
@@ -248,7 +249,7 @@ class TarShardReader:
     With `expect`, the file must be the one its source verified (see `open_shard`).
     """
 
-    def __init__(self, path: str, info: ShardInfo, schema: Mapping[str, str] | None = None, *,
+    def __init__(self, path: str, info: ShardEntry, schema: Mapping[str, str] | None = None, *,
                  expect: FileIdentity | None = None) -> None:
         self.path = path
         self._fd = _open_fd(path, info)
@@ -263,7 +264,7 @@ class TarShardReader:
             self.close()
             raise
         self._table = table
-        self.info: ShardInfo | None = info
+        self.info: ShardEntry | None = info
 
     @classmethod
     def unindexed(cls, path: str) -> TarShardReader:
@@ -335,123 +336,35 @@ class TarShardReader:
         self.close()
 
 
-# -- writing -----------------------------------------------------------------------------------
-def encode_value(value: Any) -> bytes:
-    """The bytes a tar member stores for a field value.
-
-    bytes-like values as they are; str as UTF-8; bool/int/float as their decimal text (as
-    webdataset's ``.cls`` convention); numpy arrays in ``.npy`` format.
-    """
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return bytes(value)
-    if isinstance(value, str):
-        return value.encode("utf-8")
-    if isinstance(value, np.ndarray):
-        buf = io.BytesIO()
-        np.save(buf, value, allow_pickle=False)
-        return buf.getvalue()
-    if isinstance(value, np.generic):
-        value = value.item()
-    if isinstance(value, (bool, int, float)):
-        return repr(value).encode()
-    raise SchemaError(f"cannot store a {type(value).__name__} in a tar member")
+# -- by byte range -----------------------------------------------------------------------------
+def range_table(data: memoryview | bytes, member_spans: np.ndarray | None) -> RangeTable:
+    """The range table of a tar whose bytes are `data`, from its member spans (`TarOffsets.spans`,
+    int64 [samples, fields, 2]: data offset, size): one group, and each row's spans are its
+    members."""
+    assert member_spans is not None
+    view = memoryview(data)
+    b = RangeTableBuilder(view)
+    rows = [[b.span(o, s) for o, s in sample] for sample in member_spans.tolist()]
+    return b.table("tar", [], [0, len(rows)], [[]], rows)
 
 
-def check_tar_key(key: Any) -> str:
-    """Validate a sample key for a tar: a safe relative path whose basename has no dot."""
-    if not isinstance(key, str):
-        raise SchemaError(f"__key__ must be a string, got {type(key).__name__}")
-    safe_relative_path(key, what="__key__")
-    base = key.rsplit("/", 1)[-1]
-    if not base or "." in base:
-        raise SchemaError(f"__key__ {key!r}: its last component must be non-empty and hold no dot")
-    if _META_RE.match(key):
-        raise SchemaError(f"__key__ {key!r}: names starting with __...__ are skipped by readers")
-    return key
+def rows_from_spans(table: RangeTable, fetched: Mapping[int, bytes], rows: Sequence[int] | np.ndarray,
+                    *, where: str, members: TarOffsets | None = None) -> list[dict[str, Any]]:
+    """Records of `rows` from verified spans `fetched`: the members' bytes, as `TarShardReader`
+    returns them. `members` is the tar's member table (for the keys and the field order)."""
+    assert members is not None
+    rows = np.asarray(rows, dtype=np.int64)
+    ids = table.needed(rows)
+    lookup = {(o, n): fetched[i] for i, (o, n) in zip(ids.tolist(), table.spans[ids].tolist())}
+    out = []
+    for r in rows.tolist():
+        record: dict[str, Any] = {}
+        for field, (offset, size) in zip(members.fields, members.spans[r].tolist()):
+            record[field] = b"" if size == 0 else bytes(lookup[(offset, size)])
+        record[KEY_FIELD] = members.keys[r]
+        out.append(record)
+    return out
 
 
-def check_tar_field(field: str) -> str:
-    """Validate a field name for a tar: non-empty, lowercase (readers lowercase), no slash."""
-    if not field or field != field.lower() or "/" in field:
-        raise SchemaError(
-            f"field {field!r} cannot be a tar member extension (it must be non-empty, lowercase "
-            "and hold no '/')"
-        )
-    return field
-
-
-class TarShardWriter:
-    """Writes samples as a WebDataset tar (`webdataset.WebDataset` reads it).
-
-    Each sample needs a ``__key__``; every other field (names not of the form ``__*__``)
-    becomes a member ``<key>.<field>`` holding `encode_value(value)`. Members get mtime 0,
-    mode 0444 and no owner, so equal samples give equal bytes. Every sample must hold the same
-    fields (as readers require). The member table is recorded while writing, so `offsets()`
-    gives the sidecar's content without scanning the finished tar.
-    """
-
-    def __init__(self, path_or_fileobj: str | BinaryIO) -> None:
-        if isinstance(path_or_fileobj, str):
-            self._tar = tarfile.open(path_or_fileobj, "w", format=tarfile.PAX_FORMAT)
-        else:
-            self._tar = tarfile.open(fileobj=path_or_fileobj, mode="w", format=tarfile.PAX_FORMAT)
-        self._keys: list[str] = []
-        self._fields: tuple[str, ...] | None = None
-        self._spans: list[list[tuple[int, int]]] = []
-        self._closed = False
-
-    @property
-    def samples(self) -> int:
-        return len(self._keys)
-
-    def write(self, sample: Mapping[str, Any]) -> None:
-        """Append one sample; a sample that fails validation writes nothing."""
-        key = check_tar_key(sample.get(KEY_FIELD))
-        if self._keys and key == self._keys[-1]:
-            raise SchemaError(f"__key__ {key!r} repeats the previous sample's key; readers would merge them")
-        members = {
-            check_tar_field(field): encode_value(value)
-            for field, value in sample.items()
-            if not (field.startswith("__") and field.endswith("__"))
-        }
-        if self._fields is None:
-            self._fields = tuple(members)
-        elif members.keys() != set(self._fields):
-            raise SchemaError(
-                f"sample {key!r} has fields {sorted(members)} but the first sample has "
-                f"{sorted(self._fields)}; every sample of a shard must hold the same fields"
-            )
-        spans = {}
-        for field, data in members.items():
-            member = tarfile.TarInfo(f"{key}.{field}")
-            member.size = len(data)
-            member.mtime = 0
-            member.mode = 0o444
-            self._tar.addfile(member, io.BytesIO(data))
-            # addfile leaves `offset` after the data, padded to whole blocks.
-            spans[field] = (self._tar.offset - _padded(len(data)), len(data))
-        self._tar.members = []  # tarfile keeps every TarInfo otherwise; we never look back
-        self._keys.append(key)
-        self._spans.append([spans[field] for field in self._fields])
-
-    def close(self) -> None:
-        if not self._closed:
-            self._tar.close()
-            self._closed = True
-
-    def offsets(self, tar_bytes: int) -> TarOffsets:
-        """The member table of the closed tar, whose size is `tar_bytes`."""
-        if not self._closed:
-            raise RuntimeError("close the TarShardWriter before asking for its offsets")
-        table = np.array(self._spans, dtype=np.int64).reshape(len(self._keys), len(self._fields or ()), 2)
-        return TarOffsets(list(self._keys), self._fields or (), table, tar_bytes)
-
-    def __enter__(self) -> TarShardWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def _padded(size: int) -> int:
-    return -(-size // _BLOCK) * _BLOCK
+FORMAT_CODE = FormatCode(open_reader=TarShardReader, range_table=range_table,
+                         rows_from_spans=rows_from_spans, decode_companion=TarOffsets.decode)

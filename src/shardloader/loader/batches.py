@@ -2,13 +2,13 @@
 
 This is what a worker does for each task. It depends only on the task (epoch, sample
 indices), the dataset and the transform — never on which worker runs it or on any RNG stream —
-so the batches are the same for every `num_workers` and world size (I1, I3).
+so the batches are the same for every `num_workers` and world size (I1, I3). The dataset is
+read through `shardloader.loader.protocol` only, its source through `ShardSource`.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import os
 import threading
 import time
@@ -20,10 +20,11 @@ import numpy as np
 import torch
 
 from shardloader.loader.collate import collate
+from shardloader.loader.protocol import KeyedReads, LoaderDataset
 from shardloader.order.seeding import GlobalRngScope, sample_keys
-from shardloader.source import LocalSource
-from shardloader.startup import paused_gc
-from shardloader.transforms.base import Compose
+from shardloader.runtime.startup import paused_gc
+from shardloader.source.protocol import counter_delta
+from shardloader.transforms.base import Compose, accepts_generator
 from shardloader.transforms.fused import DecodeCropFlip
 from shardloader.transforms.tensor import ToTensor
 
@@ -57,19 +58,6 @@ class BatchTimings:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-def accepts_generator(transform: Transform | None) -> bool:
-    """True when `transform` takes a `generator` keyword (or **kwargs)."""
-    if transform is None:
-        return False
-    try:
-        params = inspect.signature(transform).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(
-        p.name == "generator" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params
-    )
-
-
 def uses_global_rng(transform: Transform | None) -> bool:
     """Whether global RNGs must be seeded per sample: yes unless the transform says otherwise."""
     if transform is None:
@@ -82,7 +70,7 @@ class BatchProducer:
 
     def __init__(
         self,
-        dataset: Any,
+        dataset: LoaderDataset,
         *,
         seed: int,
         transform: Transform | None = None,
@@ -94,7 +82,10 @@ class BatchProducer:
         self.transform = transform
         self.collate_fn = collate_fn or collate
         self.worker_init_fn = worker_init_fn
-        self._pass_generator = accepts_generator(transform)
+        self._pass_generator = transform is not None and accepts_generator(transform)
+        # A map-style dataset that augments in `dataset[i]` reads each sample under its key.
+        self._keyed: KeyedReads | None = (dataset if isinstance(dataset, KeyedReads) and dataset.keyed_reads
+                                          else None)
         self._seed_globals = uses_global_rng(transform)
         self._direct = direct_batch_transform(transform, self.collate_fn)
 
@@ -113,10 +104,9 @@ class BatchProducer:
 
     def __call__(self, task: BatchTask) -> tuple[Any, BatchTimings]:
         timings = BatchTimings()
-        counters = getattr(self.dataset.source, "counters", None) if self.report_cache_counters else None
-        before = counters() if counters else None
-        shard_wait = getattr(self.dataset, "shard_wait_seconds", None)
-        wait_before = shard_wait() if shard_wait else 0.0
+        source = self.dataset.source
+        before = source.counters() if self.report_cache_counters and source.counts_reads else None
+        wait_before = self.dataset.shard_wait_seconds()
         if self.worker_id is not None and self.worker_init_fn is not None:
             worker_id, self.worker_id = self.worker_id, None  # once per process
             self.worker_init_fn(worker_id)
@@ -126,21 +116,19 @@ class BatchProducer:
             if self.plan is None:
                 raise ValueError(f"batch task {task.task_id} has no samples and the producer no StepPlan")
             samples = self.plan.samples(task.epoch, task.step)
-        if getattr(self.dataset, "keyed_reads", False):  # a map-style dataset augments in [i]
-            records = self.dataset.read_keyed(samples, sample_keys(self.seed, task.epoch, samples),
-                                              _GLOBAL_RNG_LOCK)
+        if self._keyed is not None:
+            records = self._keyed.read_keyed(samples, sample_keys(self.seed, task.epoch, samples),
+                                             _GLOBAL_RNG_LOCK)
         else:
             records = self.dataset.get_many(samples)
         t1 = time.perf_counter()
         # Waiting for shard files (a download, another process's download, verification) is
         # measured by this thread alone, so prefetch threads' downloads never inflate it.
-        if shard_wait:
-            timings.download_wait_seconds = shard_wait() - wait_before
+        timings.download_wait_seconds = self.dataset.shard_wait_seconds() - wait_before
         timings.read_seconds = max(0.0, t1 - t0 - timings.download_wait_seconds)
         if before is not None:
-            after = counters()
-            for name in ("cache_hits", "cache_misses", "bytes_downloaded"):
-                setattr(timings, name, int(after.get(name, 0) - before.get(name, 0)))
+            timings.cache_hits, timings.cache_misses, timings.bytes_downloaded = counter_delta(
+                before, source.counters())
         batch = self._direct_batch(task, records, samples) if self._direct is not None else None
         if batch is None:
             if self.transform is not None:
@@ -161,7 +149,7 @@ class BatchProducer:
         worker that reads them imports it: importing it here made a cold first batch slower,
         docs/cache.md.) Failures are left for the workers to report with their full context.
 
-        The garbage collector is paused meanwhile (`shardloader.startup`): loading
+        The garbage collector is paused meanwhile (`shardloader.runtime.startup`): loading
         pyarrow and OpenCV creates many objects and, in a process that holds torch, triggered
         full collections over its whole heap; the two imports took 116-142 ms of CPU with
         collections and 42-45 ms without, on the path to the first batch.
@@ -175,16 +163,12 @@ class BatchProducer:
                 importlib.import_module(name)
             except ImportError:
                 pass
-        index = getattr(self.dataset, "index", None)
         try:
-            for fmt in {shard.format for shard in getattr(index, "shards", ())}:
-                importlib.import_module(f"shardloader.format.{fmt}")
             if self._direct is not None:  # check the JPEG crop decoder once, for every worker
                 from shardloader.transforms.decode import crop_decoder_on
 
                 crop_decoder_on()
-            if isinstance(getattr(self.dataset, "source", None), LocalSource) and len(self.dataset):
-                self.dataset.get_many(np.zeros(1, dtype=np.int64))  # workers reopen their own
+            self.dataset.warm_up()  # its formats' reader code, and a first read where cheap
         except Exception:  # noqa: BLE001 - an optimisation only; workers raise the real error
             pass
 
@@ -296,16 +280,3 @@ class _NoScope:
 
     def __exit__(self, *exc: object) -> None:
         return None
-
-
-def pin(batch: Any) -> Any:
-    """Pin every tensor in a (nested) batch; a no-op without CUDA."""
-    if not torch.cuda.is_available():
-        return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.pin_memory()
-    if isinstance(batch, dict):
-        return {k: pin(v) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(pin(v) for v in batch)
-    return batch

@@ -8,7 +8,10 @@ uninterrupted run would have produced, under any `num_workers` and any world siz
 same global batch size (invariants I1–I5).
 
 The epoch contract (invariant I10) is in `Loader`'s docstring; the lifecycle (context manager,
-bounded `close()`, interpreter exit) too.
+bounded `close()`, interpreter exit) too. The parts: the cursor (`cursor.py`), the epoch
+iterator (`epoch.py`) with its shard I/O (`prefetch_policy.py`) and per-batch telemetry
+(`recording.py`), the workers (`pool_keeper.py`, `workers/`), batch production
+(`batches.py`), the order (`plan.py`), and what a dataset must offer (`protocol.py`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import atexit
 import multiprocessing.util  # noqa: F401 - registers its exit handler before ours (see below)
 import numbers
-import threading
 import time
 import warnings
 import weakref
@@ -25,10 +27,11 @@ from typing import Any
 
 import numpy as np
 
-from shardloader.distenv import rank_and_world
 from shardloader.errors import StateError
-from shardloader.loader.batches import BatchProducer, BatchTask, BatchTimings, Transform, pin
+from shardloader.loader.batches import BatchProducer, Transform
 from shardloader.loader.compat import check_dataloader_arguments, check_worker_init, resolve_tail
+from shardloader.loader.cursor import Cursor
+from shardloader.loader.epoch import EpochIterator
 from shardloader.loader.mapstyle import (
     MAP_STYLE_PARTITIONS,
     MAP_STYLE_WINDOW,
@@ -36,8 +39,10 @@ from shardloader.loader.mapstyle import (
     as_loader_dataset,
 )
 from shardloader.loader.plan import StepPlan
+from shardloader.loader.pool_keeper import PoolKeeper
+from shardloader.loader.recording import make_stats
 from shardloader.loader.state import fingerprint_differences, make_state, validate_state
-from shardloader.loader.workers import CLOSE_SECONDS, end_pools_at_exit, make_pool
+from shardloader.loader.workers.pool import CLOSE_SECONDS, end_pools_at_exit
 from shardloader.order.partition import (
     check_world,
     dropped_samples,
@@ -51,8 +56,8 @@ from shardloader.order.shuffle import (
     EpochOrder,
     ShuffleSettings,
 )
-from shardloader.source import LocalSource
-from shardloader.startup import gc_paused, paused_gc
+from shardloader.runtime.distenv import rank_and_world
+from shardloader.runtime.startup import gc_paused
 from shardloader.transforms.base import transform_version as describe_transform
 
 
@@ -110,7 +115,7 @@ class Loader:
     `__del__` never waits. Worker processes die with the training process, by any signal.
     """
 
-    @gc_paused  # no full collection on the path to the first batch (see shardloader.startup)
+    @gc_paused  # no full collection on the path to the first batch (see shardloader.runtime.startup)
     def __init__(
         self,
         dataset: Any,
@@ -175,21 +180,17 @@ class Loader:
         self.telemetry = telemetry
         self._plan = StepPlan(np.diff(self._data.index.sample_offsets), self.seed, self.settings, self.rank,
                               self.world_size, self.global_batch_size, self.tail)
-        self._producer = BatchProducer(self._data, seed=self.seed, transform=transform, collate_fn=collate_fn,
-                                       worker_init_fn=worker_init_fn)
-        self._producer.plan = self._plan
-        self._mp_context = multiprocessing_context
+        producer = BatchProducer(self._data, seed=self.seed, transform=transform, collate_fn=collate_fn,
+                                 worker_init_fn=worker_init_fn)
+        producer.plan = self._plan
         self._timeout = timeout or None  # DataLoader's timeout=0 means none
-        self._last_batch: tuple[int, int] | None = None  # (epoch, step) of the last batch delivered
-        self._pool: Any = None
-        self._epoch = 0
-        self._position = 0  # global positions consumed in the current epoch
-        self._restored = False  # loaded from a state and not iterated since (see set_epoch)
-        self._hold = False  # set_epoch(e) at the end of epoch e: the next iter() yields nothing
-        self._next_task_id = 0
-        self._generation = 0
-        self._active: weakref.ref[_EpochIterator] | None = None
-        self._stats = _make_stats()
+        self._workers = PoolKeeper(producer, num_workers=num_workers, worker_type=worker_type,
+                                   context=multiprocessing_context, timeout=self._timeout,
+                                   prefetch_factor=prefetch_factor, persistent=persistent_workers)
+        self._cursor = Cursor(epoch_length(len(self._data), self.global_batch_size, self.tail),
+                              self.global_batch_size)
+        self._active: weakref.ref[EpochIterator] | None = None
+        self._stats = make_stats()
         _LIVE_LOADERS.add(self)
 
     # -- sizes --------------------------------------------------------------------------------
@@ -205,18 +206,12 @@ class Loader:
     def epoch(self) -> int:
         """The epoch the next batch comes from: the cursor's epoch, or the one after it when
         the cursor is at that epoch's end. `range(loader.epoch, E)` is the resume loop."""
-        return self._epoch + 1 if self._epoch_finished() else self._epoch
-
-    def _epoch_length(self) -> int:
-        return epoch_length(self.num_samples, self.global_batch_size, self.tail)
-
-    def _epoch_finished(self) -> bool:
-        return self._position >= self._epoch_length()
+        return self._cursor.next_epoch
 
     @property
     def step(self) -> int:
         """Batches delivered since epoch 0 began (the training step, restored by a resume)."""
-        return self._epoch * len(self) + -(-self._position // self.global_batch_size)
+        return self._cursor.epoch * len(self) + self._cursor.next_step
 
     def tail_report(self) -> dict[str, int]:
         """How many samples each epoch pads or drops to give every rank equal batches."""
@@ -236,9 +231,9 @@ class Loader:
         """Global sample indices (int64, in batch order) of the batch this loader delivered
         last, whatever the batch's shape (dict, list, custom collate); None before the first.
         Dict batches from a shardloader.Dataset also carry them as `batch["__index__"]`."""
-        if self._last_batch is None:
+        if self._cursor.last_batch is None:
             return None
-        return self._plan.samples(*self._last_batch)
+        return self._plan.samples(*self._cursor.last_batch)
 
     # -- epochs and state ---------------------------------------------------------------------
     def set_epoch(self, epoch: int, *, force: bool = False) -> None:
@@ -250,28 +245,27 @@ class Loader:
         if not isinstance(epoch, numbers.Integral) or isinstance(epoch, bool) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         epoch = int(epoch)
-        if epoch == self._epoch:
-            self._hold = self._epoch_finished()  # this epoch is over: iterating it yields nothing
+        if epoch == self._cursor.epoch:
+            self._cursor.hold_if_finished()  # this epoch is over: iterating it yields nothing
             return
         if not force:
             self._check_move(epoch)
-        self._epoch, self._position = int(epoch), 0
-        self._restored = self._hold = False
-        self._generation += 1
+        self._cursor.move_to(epoch)
 
     def _check_move(self, epoch: int) -> None:
-        where = (f"epoch {self._epoch} at position {self._position} of {self._epoch_length()}"
-                 + (", restored from a saved state" if self._restored else ""))
+        cursor = self._cursor
+        where = (f"epoch {cursor.epoch} at position {cursor.position} of {cursor.length}"
+                 + (", restored from a saved state" if cursor.restored else ""))
         loop = (f"start the epoch loop at the loader's epoch: `for epoch in range(loader.epoch, "
                 f"epochs): loader.set_epoch(epoch)` (loader.epoch is {self.epoch}, the epoch to "
                 f"run next)")
-        if epoch < self._epoch:
+        if epoch < cursor.epoch:
             raise StateError(
                 f"set_epoch({epoch}) would move this loader back from {where} and replay data; "
                 f"{loop}. To replay on purpose, call set_epoch({epoch}, force=True)."
             )
-        if self._restored and epoch != self.epoch:
-            skipped = (f"the rest of epoch {self._epoch}" if not self._epoch_finished()
+        if cursor.restored and epoch != self.epoch:
+            skipped = (f"the rest of epoch {cursor.epoch}" if not cursor.epoch_finished
                        else f"epochs {self.epoch}..{epoch - 1}")
             raise StateError(
                 f"set_epoch({epoch}) would skip {skipped}: this loader is at {where}; {loop}. "
@@ -290,7 +284,7 @@ class Loader:
 
     def state_dict(self) -> dict[str, Any]:
         """The cursor: epoch and global positions consumed by batches the caller received."""
-        return make_state(self._epoch, self._position, self.fingerprint())
+        return make_state(self._cursor.epoch, self._cursor.position, self.fingerprint())
 
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
         """Resume at `state`'s cursor. Raises StateError when the fingerprint differs, unless
@@ -302,29 +296,24 @@ class Loader:
             if strict:
                 raise StateError(message + " (pass strict=False to resume anyway)")
             warnings.warn(message, stacklevel=2)
-        length = epoch_length(self.num_samples, self.global_batch_size, self.tail)
+        length = self._cursor.length
         position = state["position"]
         if position > length or position % self.global_batch_size and position != length:
             raise StateError(
                 f"loader state position {position} is not a step boundary of an epoch of "
                 f"{length} positions with global batch size {self.global_batch_size}"
             )
-        self._epoch, self._position = state["epoch"], position
-        self._restored, self._hold = True, False
-        self._generation += 1
+        self._cursor.restore(state["epoch"], position)
 
     # -- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
-        self._generation += 1
-        self._restored = False
+        self._cursor.begin_iteration()
         self._finish_active()
-        if self._epoch_finished():
-            if self._hold:  # set_epoch(e) at the end of epoch e: nothing of it is left
-                self._hold = False
-                return iter(())
-            self._epoch, self._position = self._epoch + 1, 0
-        self._hold = False
-        iterator = _EpochIterator(self, self._generation)
+        if not self._cursor.ready_epoch():
+            return iter(())
+        iterator = EpochIterator(self, self._cursor, self._plan, self._data, self._workers,
+                                 steps=len(self), pin_memory=self.pin_memory, rank=self.rank,
+                                 stats=self._stats, telemetry=self.telemetry)
         self._active = weakref.ref(iterator)
         return iterator
 
@@ -333,23 +322,12 @@ class Loader:
         iterator = self._active() if self._active is not None else None
         self._active = None
         if iterator is not None:
-            iterator._finish(release=False, timeout=timeout)
+            iterator.finish(release=False, timeout=timeout)
 
-    def _get_pool(self) -> Any:
-        if self._pool is None:
-            self._pool = make_pool(self._producer, self.num_workers, self.worker_type,
-                                   context=self._mp_context, timeout=self._timeout,
-                                   prefetch_factor=self.prefetch_factor)
-        return self._pool
-
-    def _release_pool(self, force: bool = False, timeout: float = CLOSE_SECONDS) -> None:
-        if self._pool is not None and (force or not self.persistent_workers):
-            pool, self._pool = self._pool, None
-            pool.close(timeout)
-
-    def _new_task_id(self) -> int:
-        self._next_task_id += 1
-        return self._next_task_id
+    @property
+    def _pool(self) -> Any:
+        """The running worker pool, or None."""
+        return self._workers.pool
 
     def stats(self) -> dict[str, Any]:
         """Telemetry summary of the batches delivered so far (see shardloader.telemetry)."""
@@ -361,13 +339,11 @@ class Loader:
         """Stop the workers and the prefetch, within about `timeout` seconds; idempotent.
 
         The loader can be iterated again afterwards (workers restart); its position is kept."""
-        self._generation += 1
+        self._cursor.invalidate()
         deadline = time.monotonic() + timeout
         self._finish_active(timeout=timeout)
-        self._release_pool(force=True, timeout=max(0.0, deadline - time.monotonic()))
-        close = getattr(self._data, "close", None)
-        if close is not None:
-            close()  # drops this process's readers and their cache pins
+        self._workers.release(force=True, timeout=max(0.0, deadline - time.monotonic()))
+        self._data.close()  # drops this process's readers and their cache pins
 
     def __enter__(self) -> Loader:
         return self
@@ -379,19 +355,10 @@ class Loader:
         # Never wait here: __del__ may run at interpreter exit or inside a garbage collection
         # on any thread. Workers are killed; pipes close with their objects.
         try:
-            pool, self._pool = self._pool, None
-            if pool is not None:
-                abandon = getattr(pool, "abandon", None)
-                if abandon is not None:
-                    abandon()
-                else:
-                    pool.close(0.0)
+            self._workers.abandon()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
-
-#: How long iter() waits for the first batch's bytes before it starts the workers anyway.
-_PRIME_SECONDS = 30.0
 
 #: Loaders not yet garbage-collected; closed at interpreter exit (weak: never kept alive).
 _LIVE_LOADERS: weakref.WeakSet[Loader] = weakref.WeakSet()
@@ -413,240 +380,3 @@ def _close_live_loaders() -> None:
 
 
 atexit.register(_close_live_loaders)
-
-
-#: telemetry.records.BatchRecord, imported on the first batch recorded. Not a `from ... import`
-#: inside `_record`: with the caches cold from the training step, that statement alone cost
-#: ~15 us per next() (39 -> 54 us for the record, measured).
-_BatchRecord: Any = None
-
-
-def _make_stats() -> Any:
-    try:
-        from shardloader.telemetry import StatsAggregator
-    except ImportError:
-        return None
-    return StatsAggregator()
-
-
-class _EpochIterator:
-    """Iterates the rest of one epoch for one rank; updates the loader's cursor per batch."""
-
-    @gc_paused  # starts the workers: on the path to the first batch (see shardloader.startup)
-    def __init__(self, loader: Loader, generation: int) -> None:
-        self.loader = loader
-        self.delivered = False  # no batch yet: the first __next__ runs under paused_gc
-        self.generation = generation
-        self.epoch = loader._epoch
-        self.steps = len(loader)
-        self.next_step = -(-loader._position // loader.global_batch_size)  # the end: steps
-        self.length = epoch_length(loader.num_samples, loader.global_batch_size, loader.tail)
-        check = getattr(loader._data, "check_capacity", None)
-        if check is not None:  # a cache too small for this configuration fails here, not mid-epoch
-            check(num_workers=loader.num_workers)
-        source = getattr(loader._data, "source", None)
-        expect = getattr(source, "expect_prefetch", None)
-        if expect is not None:  # before the workers start: the setting travels with the dataset
-            expect()
-        # A source that reads the first batches' rows by byte range starts whole-shard prefetch
-        # once the first batch is out, so that its downloads do not compete with those reads
-        # (bandwidth, connections, CPU) for the batch a cold start waits for. Before the fork,
-        # the first batch's bytes are fetched here (the workers inherit them; the fetching
-        # thread has ended, the S3 client's own threads are idle and never used by a child);
-        # after it, the next shards' range sidecars, for the workers.
-        defer = getattr(source, "defers_prefetch", None)
-        self._defer_prefetch = bool(defer(loader._data.index)) if defer is not None else False
-        if self._defer_prefetch:
-            self._prime_first_batch()
-        self.pool = loader._get_pool()
-        warm = getattr(source, "warm_ranges", None)
-        if self._defer_prefetch and warm is not None:
-            warm(self._first_shards(max(1, loader.num_workers) * loader.prefetch_factor))
-        self.pool.discard_pending()
-        self.in_flight: list[BatchTask] = []
-        self.to_submit = self.next_step
-        depth = max(1, loader.num_workers) * loader.prefetch_factor
-        for _ in range(depth):
-            self._submit_next()
-        counters = getattr(loader._data.source, "counters", None)
-        self._counters_at_start = counters() if counters is not None else {}
-        # A local source counts nothing (its counters are zeros): no delta to take per batch.
-        self._counts_locally = counters is not None and not isinstance(loader._data.source, LocalSource)
-        self.prefetch_handle = None if self._defer_prefetch else self._start_prefetch()
-        self.finished = False
-
-    def _prime_first_batch(self) -> None:
-        """Cold start from remote shards: fetch the bytes the first batch reads by range now,
-        before the workers fork, so that its worker inherits them and needs no request, and the
-        other workers' requests for the next batches do not compete with the first's (measured
-        with 2 workers on loopback S3: see docs/cache.md). The imports the workers would inherit
-        are done meanwhile. Bounded: a fetch still running after `_PRIME_SECONDS` is left to
-        finish in the background (its worker then fetches the rows itself)."""
-        loader = self.loader
-        prime = getattr(loader._data, "prime", None)
-        if prime is None or self.next_step >= self.steps:
-            return
-        forks = loader.num_workers > 0 and loader.worker_type == "process"
-        if loader._pool is not None or (forks and (loader._mp_context or "fork") != "fork"):
-            return  # workers already running (persistent), or started fresh: they would not inherit
-        samples = loader.step_samples(self.epoch, self.next_step)
-        thread = threading.Thread(target=prime, args=(samples,), name="shardloader-prime", daemon=True)
-        thread.start()
-        if forks:
-            loader._producer.warm_up()
-        thread.join(_PRIME_SECONDS)
-        if thread.is_alive():
-            warnings.warn(f"fetching the first batch's bytes took over {_PRIME_SECONDS:g} s; starting "
-                          "the workers anyway (they fetch what they need themselves)", stacklevel=4)
-
-    def _submit_next(self) -> None:
-        loader = self.loader
-        while self.to_submit < self.steps:
-            step = self.to_submit
-            self.to_submit += 1
-            size, padded = loader._plan.counts(step)
-            if size == 0:  # tail="partial": nothing falls to this rank
-                continue
-            # With workers, the order is computed in the worker; inline, here (same thread).
-            samples = None if loader.num_workers > 0 else loader.step_samples(self.epoch, step)
-            task = BatchTask(loader._new_task_id(), self.epoch, step, samples, padded, size)
-            self.pool.submit(task)
-            self.in_flight.append(task)
-            return
-
-    def _start_prefetch(self) -> Any:
-        start = getattr(self.loader._data.source, "start_prefetch", None)
-        if start is None:
-            return None
-        return start(self._shards_ahead())
-
-    def _first_shards(self, steps: int) -> list[Any]:
-        """The shards the next `steps` batches read (pure order arithmetic, no I/O)."""
-        plan, order = self.loader._plan, self.loader._plan.order(self.epoch)
-        shards: dict[int, None] = {}
-        for step in range(self.next_step, min(self.steps, self.next_step + steps)):
-            shards.update(dict.fromkeys(order.shards_of(plan.samples(self.epoch, step)).tolist()))
-        return [self.loader._data.index.shards[shard] for shard in shards]
-
-    def _shards_ahead(self) -> Iterator[Any]:
-        """Shards this rank will read, in order of need, from the current step on."""
-        loader = self.loader
-        plan = loader._plan
-        recent: dict[int, None] = {}
-        for step in range(self.next_step, self.steps):
-            shards = plan.order(self.epoch).shards_of(plan.samples(self.epoch, step))
-            _, first = np.unique(shards, return_index=True)
-            for shard in shards[np.sort(first)].tolist():
-                if shard not in recent:
-                    yield loader._data.index.shards[shard]
-                recent.pop(shard, None)
-                recent[shard] = None  # most recent last
-                if len(recent) > 256:
-                    recent.pop(next(iter(recent)))
-
-    def __iter__(self) -> _EpochIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self.delivered:
-            return self._next()
-        with paused_gc():  # the wait for the first batch (see shardloader.startup)
-            batch = self._next()
-        self.delivered = True
-        return batch
-
-    def _next(self) -> Any:
-        loader = self.loader
-        if self.generation != loader._generation:
-            raise RuntimeError("this iterator is stale: the loader was re-iterated, reloaded or closed")
-        start = time.perf_counter()
-        if not self.in_flight:
-            self._finish()
-            raise StopIteration
-        task = self.in_flight.pop(0)
-        queue_depth = self.pool.ready()
-        try:
-            batch, timings = self.pool.get(task.task_id)
-        except BaseException:
-            self._finish(error=True)
-            raise
-        self._submit_next()
-        if self._defer_prefetch:
-            self._defer_prefetch = False
-            self.prefetch_handle = self._start_prefetch()
-        if loader.pin_memory:
-            batch = pin(batch)
-        fetch_seconds = time.perf_counter() - start
-        loader._position = min((task.step + 1) * loader.global_batch_size, self.length)
-        loader._last_batch = (self.epoch, task.step)
-        self._record(task, timings, fetch_seconds, queue_depth, batch)
-        return batch
-
-    def _record(self, task: BatchTask, timings: BatchTimings, fetch_seconds: float,
-                queue_depth: int, batch: Any) -> None:
-        loader = self.loader
-        if loader._stats is None and loader.telemetry is None:
-            return
-        hits, misses, downloaded = timings.cache_hits, timings.cache_misses, timings.bytes_downloaded
-        if self._counts_locally:
-            local = self._local_counter_delta()
-            hits += int(local.get("cache_hits", 0))
-            misses += int(local.get("cache_misses", 0))
-            downloaded += int(local.get("bytes_downloaded", 0))
-        step, delivered = self.epoch * self.steps + task.step + 1, time.time()
-        if loader.telemetry is None:  # the summary alone: no record to build
-            loader._stats.add_batch(
-                step, task.size, task.padded, fetch_seconds, delivered, timings.read_seconds,
-                timings.transform_seconds, timings.download_wait_seconds, queue_depth, hits,
-                misses, downloaded)
-            return
-        global _BatchRecord
-        if _BatchRecord is None:
-            from shardloader.telemetry.records import BatchRecord as _BatchRecord
-        record = _BatchRecord(
-            step=step, epoch=self.epoch, rank=loader.rank,
-            samples=task.size, fetch_seconds=fetch_seconds, time=delivered,
-            read_seconds=timings.read_seconds, transform_seconds=timings.transform_seconds,
-            download_wait_seconds=timings.download_wait_seconds, queue_depth=queue_depth,
-            cache_hits=hits, cache_misses=misses, bytes_downloaded=downloaded, padded=task.padded,
-        )
-        if loader._stats is not None:
-            loader._stats.on_batch(record)
-        if loader.telemetry is not None:
-            loader.telemetry.on_batch(record)
-
-    def _local_counter_delta(self) -> dict[str, float]:
-        """Cache counters of this (the training) process since the last delivered batch: the
-        prefetcher's downloads, and with num_workers=0 or thread workers the reads too. Worker
-        processes report their own counters with each batch."""
-        counters = getattr(self.loader._data.source, "counters", None)
-        if counters is None:
-            return {}
-        now = counters()
-        before, self._counters_seen = getattr(self, "_counters_seen", None), now
-        if before is None:
-            before = self._counters_at_start
-        return {k: now.get(k, 0) - before.get(k, 0) for k in ("cache_hits", "cache_misses", "bytes_downloaded")}
-
-    def _finish(self, error: bool = False, release: bool = True, timeout: float | None = None) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        if self.prefetch_handle is not None:
-            if timeout is None:
-                self.prefetch_handle.stop()  # the epoch's end: downloads are done or useless
-            else:
-                self.prefetch_handle.stop(timeout)
-        if not release:
-            return
-        if error:
-            self.loader._release_pool(force=True)
-        else:
-            self.loader._release_pool()
-
-    def __del__(self) -> None:
-        try:
-            if not self.finished and self.prefetch_handle is not None:
-                self.prefetch_handle.stop(0.0)  # cancel; never wait in __del__
-        except Exception:  # noqa: BLE001
-            pass

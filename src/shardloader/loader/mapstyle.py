@@ -1,9 +1,9 @@
 """Any map-style dataset (`__len__` + `__getitem__`, e.g. a torch `Dataset`) as a Loader input.
 
-The Loader reads through one small interface: `len()`, `get_many(samples)`, an `index` with
-`sample_offsets` (per-shard sample counts) and a `fingerprint`, and a `source` (the shard
-cache, or None). `shardloader.Dataset` is that interface. `MapStyleDataset` gives it to any
-other map-style dataset:
+The Loader reads through one declared interface, `shardloader.loader.protocol.LoaderDataset`
+(`len()`, `get_many(samples)`, an `index` with `sample_offsets` (per-shard sample counts), a
+`fingerprint` and the `shards`, and a shard `source`). `shardloader.Dataset` is that interface.
+`MapStyleDataset` gives it to any other map-style dataset (`as_loader_dataset` decides which):
 
 - The dataset is one "shard" of `len(dataset)` samples. The order module then needs nothing
   new: with one partition and a one-shard window (`MAP_STYLE_PARTITIONS`, `MAP_STYLE_WINDOW`,
@@ -21,6 +21,10 @@ other map-style dataset:
   that draws no random numbers says so with a `uses_global_rng = False` attribute and skips it.
 - The fingerprint is the class's qualified name, the length, and the dataset's own identity
   when it offers one: a `fingerprint` attribute or method returning a string.
+- It has no shard source (`NO_SHARD_SOURCE`): no cache, no prefetch, no counters.
+
+What a user's dataset may declare (`__getitem__`, `uses_global_rng`, `fingerprint`) is read
+through small protocols (`_Indexable`, `_DeclaresRngUse`, `_DeclaresFingerprint`).
 
 shardloader's own shards stay the fast path for remote data (the verified node cache, prefetch
 along the known order) and for many small samples (rows read from memory-mapped shards a
@@ -32,10 +36,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from shardloader.loader.protocol import (
+    KeyedReads,
+    LoaderDataset,
+    as_native_dataset,
+    is_sharded_dataset,
+)
 from shardloader.order.keys import derive_keys
 from shardloader.order.seeding import GlobalRngScope
 
@@ -47,19 +57,35 @@ MAP_STYLE_WINDOW = 1
 _READ_KEY_BASE = 0x5EAD_0F_DA7A
 
 
-def is_sharded_dataset(dataset: Any) -> bool:
-    """Whether `dataset` speaks the Loader's native interface (shardloader.Dataset and alikes)."""
-    index = getattr(dataset, "index", None)
-    return (callable(getattr(dataset, "get_many", None)) and hasattr(dataset, "source")
-            and hasattr(index, "sample_offsets") and hasattr(index, "fingerprint"))
+@runtime_checkable
+class _Indexable(Protocol):
+    """A map-style dataset: `dataset[i]` (its length is asked for separately)."""
+
+    def __getitem__(self, index: int) -> Any: ...
 
 
-def as_loader_dataset(dataset: Any) -> Any:
-    """`dataset` itself when it is a sharded shardloader dataset, else a `MapStyleDataset`.
+@runtime_checkable
+class _DeclaresRngUse(Protocol):
+    """A dataset that says whether `dataset[i]` draws random numbers."""
+
+    uses_global_rng: bool
+
+
+@runtime_checkable
+class _DeclaresFingerprint(Protocol):
+    """A dataset with an identity of its own: a string (or int), or a method returning one."""
+
+    fingerprint: Any
+
+
+def as_loader_dataset(dataset: Any) -> LoaderDataset:
+    """What a Loader reads `dataset` through: the dataset itself when it speaks the native
+    interface (`shardloader.Dataset`; see `shardloader.loader.protocol`), else a
+    `MapStyleDataset`.
 
     Raises TypeError, saying what to use instead, for anything that is not map-style."""
     if is_sharded_dataset(dataset):
-        return dataset
+        return as_native_dataset(dataset)
     return MapStyleDataset(dataset)
 
 
@@ -74,14 +100,13 @@ class _MapStyleIndex:
         self.fingerprint = fingerprint
 
 
-class MapStyleDataset:
-    """Adapter: a map-style dataset read as one shard of `len(dataset)` samples."""
-
-    source = None  # no shard cache and no prefetch: samples come from `dataset[i]`
+class MapStyleDataset(LoaderDataset, KeyedReads):
+    """Adapter: a map-style dataset read as one shard of `len(dataset)` samples (no shard
+    source: samples come from `dataset[i]`)."""
 
     def __init__(self, dataset: Any) -> None:
         name = f"{type(dataset).__module__}.{type(dataset).__qualname__}"
-        if not callable(getattr(dataset, "__getitem__", None)):
+        if not isinstance(dataset, _Indexable):
             raise TypeError(
                 f"Loader needs a map-style dataset (with __len__ and __getitem__, like a torch "
                 f"Dataset) or a shardloader.Dataset; got {name}. For an iterable dataset or "
@@ -97,7 +122,7 @@ class MapStyleDataset:
             ) from None
         self.dataset = dataset
         # The producer reads through `read_keyed` unless the dataset draws no random numbers.
-        self.keyed_reads = bool(getattr(dataset, "uses_global_rng", True))
+        self.keyed_reads = bool(dataset.uses_global_rng) if isinstance(dataset, _DeclaresRngUse) else True
         self.index = _MapStyleIndex(int(length), f"{name} len={int(length)}{_identity(dataset)}")
 
     def __len__(self) -> int:
@@ -124,7 +149,7 @@ class MapStyleDataset:
 
 def _identity(dataset: Any) -> str:
     """` fingerprint=...` from the dataset's own `fingerprint` attribute or method, or ''."""
-    fingerprint = getattr(dataset, "fingerprint", None)
+    fingerprint = dataset.fingerprint if isinstance(dataset, _DeclaresFingerprint) else None
     if callable(fingerprint):
         fingerprint = fingerprint()
     if fingerprint is None:

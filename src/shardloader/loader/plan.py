@@ -1,5 +1,6 @@
 """`StepPlan`: which samples a rank reads at a step — the order module bound to one loader's
-settings, small enough to send to worker processes.
+settings, small enough to send to worker processes — and the shards those steps read, in
+order of need, for prefetch (`first_shards`, `shards_ahead`: pure order arithmetic, no I/O).
 
 Workers compute their own batch's samples from (epoch, step), so the training thread pays
 nothing for the order (about a millisecond per batch of Feistel rounds otherwise).
@@ -8,7 +9,9 @@ nothing for the order (about a millisecond per batch of Feistel rounds otherwise
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -26,6 +29,10 @@ from shardloader.order.shuffle import EpochOrder, ShuffleSettings
 BLOCK_STEPS = 64
 #: Blocks kept: a prefetch thread and the training thread of one process read different ones.
 _BLOCKS_KEPT = 4
+#: `shards_ahead` skips a shard read again while it is among this many most recently read.
+_RECENT_SHARDS = 256
+
+Shard = TypeVar("Shard")
 
 
 @dataclass
@@ -95,3 +102,29 @@ class StepPlan:
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+
+
+def first_shards(plan: StepPlan, epoch: int, steps: range, shards: Sequence[Shard]) -> list[Shard]:
+    """The entries of `shards` that `steps` of `epoch` read, each once, in order of first read."""
+    order = plan.order(epoch)
+    first: dict[int, None] = {}
+    for step in steps:
+        first.update(dict.fromkeys(order.shards_of(plan.samples(epoch, step)).tolist()))
+    return [shards[shard] for shard in first]
+
+
+def shards_ahead(plan: StepPlan, epoch: int, steps: range, shards: Sequence[Shard]) -> Iterator[Shard]:
+    """The entries of `shards` that `steps` of `epoch` read, in order of need: a shard comes
+    again when it is read again after more than `_RECENT_SHARDS` others (it may have been
+    evicted meanwhile). Lazy: a prefetcher takes only as many as its window holds."""
+    recent: dict[int, None] = {}
+    for step in steps:
+        read = plan.order(epoch).shards_of(plan.samples(epoch, step))
+        _, first = np.unique(read, return_index=True)
+        for shard in read[np.sort(first)].tolist():
+            if shard not in recent:
+                yield shards[shard]
+            recent.pop(shard, None)
+            recent[shard] = None  # most recent last
+            if len(recent) > _RECENT_SHARDS:
+                recent.pop(next(iter(recent)))

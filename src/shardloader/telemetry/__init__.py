@@ -8,7 +8,7 @@ the training thread only enqueues.
 
 from shardloader.telemetry.distributed import aggregate_across_ranks, combine_summaries
 from shardloader.telemetry.gpu import GpuIdleTimer
-from shardloader.telemetry.mlflow_logger import MLflowLogger
+from shardloader.telemetry.mlflow.logger import MLflowLogger
 from shardloader.telemetry.progress import ProgressSink, progress
 from shardloader.telemetry.records import (
     LOGGABLE_FIELDS,

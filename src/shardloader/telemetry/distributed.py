@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from shardloader.distenv import process_group_active
+from shardloader.runtime.distenv import process_group_active
 
 _GLOO_GROUP: Any = None
 

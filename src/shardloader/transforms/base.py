@@ -67,8 +67,12 @@ def with_field(sample: Mapping[str, Any], field: str, value: Any) -> Sample:
 def accepts_generator(transform: Callable[..., Any]) -> bool:
     """True if `transform` has a parameter named `generator` that can be passed by keyword.
 
-    A bare `**kwargs` does not count: a function must ask for the generator by name. Call it
-    once per transform (at construction), not per sample: `inspect.signature` is slow.
+    The one rule for every caller: the Loader for its `transform`, `Compose` for each member,
+    `Lambda` for its function, so a callable draws the same whether it runs alone or inside a
+    `Compose`. A bare `**kwargs` does not count: a function must ask for the generator by name
+    (one that does not draws from the global RNGs, which the Loader seeds per sample from the
+    same key). Call it once per transform (at construction), not per sample:
+    `inspect.signature` is slow.
     """
     try:
         params = inspect.signature(transform).parameters

@@ -1,0 +1,1 @@
+"""The map-style view over an indexed, sharded dataset: `shardloader.Dataset` (`sharded.py`)."""

@@ -1,0 +1,118 @@
+"""Verifying a dataset against its index: every shard (and sidecar) present, whole, intact.
+
+`verify_dataset` recomputes every checksum by streaming each file once, and for local datasets
+also opens every shard with its reader (sample count and schema against the index, and no null
+values: every field of a shardloader dataset needs a value in every row). It returns
+the problems found, each naming its file; an empty list means the dataset verifies. A malformed
+or unsafe index raises (`DatasetIndexError`, `UnsafePathError`): there is nothing to check
+against.
+
+A remote dataset is read through the process's client of `shardloader.io.clients`, with the
+shard cache's retries (`shardloader.io.objects`): transient errors (5xx, resets, timeouts) are
+retried with backoff, and a permanent one other than a missing file (403, ...) raises FetchError
+naming the URL, since no file can be checked then.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from shardloader.errors import ShardloaderError
+from shardloader.format.index import Index, ShardInfo
+from shardloader.format.ranges import RANGES_KEY
+from shardloader.format.registry import open_shard
+from shardloader.format.tar import OFFSETS_KEY
+from shardloader.io.checksum import checksum_file, format_checksum, new_hasher, parse_checksum
+from shardloader.io.clients import filesystem
+from shardloader.io.objects import object_size, read_chunks
+from shardloader.io.paths import is_local, join_url, safe_relative_path, strip_file_scheme
+from shardloader.source.index import load_index
+
+
+def _check_file(fs: Any, url: str, size: int, checksum: str) -> str | None:
+    """A problem with the file at `url` (missing, wrong size, wrong checksum), or None."""
+    try:
+        actual_size = object_size(fs, url, url)
+    except FileNotFoundError:
+        return f"{url}: missing"
+    if actual_size != size:
+        kind = "truncated" if actual_size < size else "larger than expected"
+        return f"{url}: {actual_size} bytes but the index records {size} ({kind})"
+    algorithm, _ = parse_checksum(checksum)
+    if is_local(url):
+        actual, _ = checksum_file(url, algorithm)
+    else:
+        hasher = new_hasher(algorithm)
+        for chunk in read_chunks(fs, url, url, size):
+            hasher.update(chunk)
+        actual = format_checksum(algorithm, hasher.hexdigest())
+    if actual != checksum:
+        return f"{url}: checksum {actual} does not match the index ({checksum})"
+    return None
+
+
+def _check_sidecar(fs: Any, root: str, shard: ShardInfo, key: str = OFFSETS_KEY) -> str | None:
+    """The problem with the sidecar the index entry describes under `key` (tar offsets, range
+    sidecar), or None: its size and checksum against the index."""
+    entry = shard.extra.get(key)
+    if entry is None:
+        return None
+    where = join_url(root, shard.path)
+    if not isinstance(entry, dict) or not {"path", "bytes", "checksum"} <= entry.keys():
+        return f"{where}: malformed '{key}' entry in the index: {entry!r}"
+    try:
+        relative = safe_relative_path(entry["path"], what=f"{where}: {key} sidecar")
+        parse_checksum(str(entry["checksum"]))
+    except (ShardloaderError, ValueError) as e:
+        return str(e)
+    return _check_file(fs, join_url(root, relative), entry["bytes"], entry["checksum"])
+
+
+def _check_structure(root: str, shard: ShardInfo, index: Index) -> str | None:
+    """Open a local shard with its reader: row count and schema against the index, no nulls."""
+    path = os.path.join(root, shard.path)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a bad sidecar is already reported
+            reader = open_shard(shard, path, index.schema)
+        try:
+            nulls = reader.null_counts() if hasattr(reader, "null_counts") else {}
+        finally:
+            reader.close()
+    except ShardloaderError as e:
+        return str(e)
+    if nulls:
+        fields = ", ".join(f"field {name!r} ({count})" for name, count in nulls.items())
+        return (f"{path}: null values in {fields}; every field needs a value in every row "
+                "(reading such a row is an error)")
+    return None
+
+
+def verify_dataset(
+    url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *,
+    progress: bool = False,
+) -> list[str]:
+    """Every problem found in the dataset at `url`, one message per bad file; [] when it verifies.
+    `progress` shows a progress bar (bytes checked) on stderr."""
+    url = os.fspath(url)
+    index = load_index(url, storage_options)
+    fs, _ = filesystem(url, storage_options, full_interface=True)
+    root = strip_file_scheme(url) if is_local(url) else url
+    problems: list[str] = []
+    bar = tqdm(total=index.total_bytes, desc=f"verifying {url}", unit="B", unit_scale=True,
+               disable=not progress)
+    with bar:
+        for shard in index.shards:
+            shard_problem = _check_file(fs, join_url(root, shard.path), shard.bytes, shard.checksum)
+            if shard_problem is None and is_local(url):
+                shard_problem = _check_structure(root, shard, index)
+            for problem in (shard_problem, _check_sidecar(fs, root, shard),
+                            _check_sidecar(fs, root, shard, RANGES_KEY)):
+                if problem is not None:
+                    problems.append(problem)
+            bar.update(shard.bytes)
+    return problems

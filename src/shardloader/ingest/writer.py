@@ -1,0 +1,415 @@
+"""Writing samples (dicts) into shards plus `index.json`.
+
+`write_shards` streams samples into shards of at most `shard_bytes` payload bytes (and at most
+`shard_samples` samples), as native Arrow IPC files (default) or WebDataset tars. Every file
+appears atomically (see `OutputDir`), and `index.json` is written last, so a directory with an
+index always holds every shard the index lists.
+
+Schema: given, or inferred from the first sample (type names in `shardloader.format.schema`).
+Every later sample must have the same fields with values that fit their types, else
+`SchemaError` names the sample number (0-based position in the input) and the field. Fields
+named ``__*__`` are metadata and are not stored, except ``__key__`` (a string field in Arrow
+shards; the member name prefix in tars, defaulting to the sample number zero-padded to 9 digits).
+
+A sample larger than `shard_bytes` is not an error: it goes alone into its own shard.
+Empty input is an error (`ShardloaderError`): an index of zero samples is useless to a loader,
+and writing one would hide an upstream bug.
+
+`shuffle=True` writes in the order of `shardloader.ingest.shuffled`. An input without random
+access is spilled here first: written in its own order to a temporary dataset (with this same
+writer) and read back by row in the permuted order; the copy is removed on exit, also on error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+import pyarrow as pa
+from tqdm.auto import tqdm
+
+from shardloader.errors import SchemaError, ShardloaderError
+from shardloader.format.index import INDEX_NAME, Index, ShardInfo
+from shardloader.format.ranges import RANGES_KEY, ranges_entry, ranges_path
+from shardloader.format.registry import table_of_file
+from shardloader.format.schema import (
+    arrow_type,
+    build_array,
+    infer_type,
+    value_fits,
+    value_nbytes,
+)
+from shardloader.format.tar import KEY_FIELD, OFFSETS_KEY, offsets_entry, sidecar_path
+from shardloader.format.tar_writer import TarShardWriter, check_tar_field
+from shardloader.ingest.shuffled import (
+    DEFAULT_INDEX_FIELD,
+    is_sequence,
+    permuted_rows,
+    permuted_sequence,
+    shuffled_schema,
+    with_index,
+)
+from shardloader.ingest.target import OutputDir, discard
+from shardloader.io.checksum import checksum_file
+
+WRITE_FORMATS = ("arrow", "tar")
+_BATCH_ROWS = 4096  # rows per Arrow record batch, at most
+_BATCH_BYTES = 16 << 20  # payload bytes per Arrow record batch, at most
+# The temporary copy of a shuffled stream: large shards, all kept open, so that reading it in
+# random order touches memory maps, not file opens (2 GiB x 128 covers 256 GiB before readers
+# are reopened).
+_SPILL_SHARD_BYTES = 2 << 30
+_SPILL_OPEN_SHARDS = 128
+
+
+def is_meta_field(name: str) -> bool:
+    """True for metadata fields (``__url__``, ``__index__`` ...) that are never stored."""
+    return name != KEY_FIELD and len(name) > 4 and name.startswith("__") and name.endswith("__")
+
+
+def _describe(value: Any) -> str:
+    try:
+        return f"a value of type {infer_type(value)}"
+    except SchemaError as e:
+        return f"an unstorable value ({e})"
+
+
+class SampleSchema:
+    """The fields and type names every sample must match."""
+
+    def __init__(self, types: Mapping[str, str]) -> None:
+        if not types:
+            raise SchemaError("the schema has no fields")
+        for field, name in types.items():
+            if not isinstance(field, str) or not field:
+                raise SchemaError(f"field name {field!r} must be a non-empty string")
+            try:
+                arrow_type(name)
+            except SchemaError as e:
+                raise SchemaError(f"field {field!r}: {e}") from None
+        if KEY_FIELD in types and types[KEY_FIELD] != "string":
+            raise SchemaError(f"field {KEY_FIELD!r} must be of type string, not {types[KEY_FIELD]}")
+        self.types = dict(types)
+
+    @classmethod
+    def infer(cls, sample: Any, number: int = 0) -> SampleSchema:
+        """The schema of `sample` (sample `number` of the input, for messages)."""
+        if not isinstance(sample, Mapping):
+            raise SchemaError(f"sample {number}: expected a dict of fields, got {type(sample).__name__}")
+        types = {}
+        for field, value in sample.items():
+            if not isinstance(field, str):
+                raise SchemaError(f"sample {number}: field name {field!r} is not a string")
+            if is_meta_field(field):
+                continue
+            try:
+                types[field] = infer_type(value)
+            except SchemaError as e:
+                raise SchemaError(f"sample {number}: field {field!r}: {e}") from None
+        if not types:
+            raise SchemaError(f"sample {number}: has no fields to store")
+        return cls(types)
+
+    def check(self, sample: Any, number: int) -> dict[str, Any]:
+        """The stored fields of `sample`, or SchemaError naming sample `number` and the field."""
+        if not isinstance(sample, Mapping):
+            raise SchemaError(f"sample {number}: expected a dict of fields, got {type(sample).__name__}")
+        values = {k: v for k, v in sample.items() if not (isinstance(k, str) and is_meta_field(k))}
+        if values.keys() != self.types.keys():
+            missing = [f for f in self.types if f not in values]
+            extra = [f for f in values if f not in self.types]
+            raise SchemaError(
+                f"sample {number}: fields differ from the schema (missing {missing}, "
+                f"unexpected {extra})"
+            )
+        for field, value in values.items():
+            if not value_fits(value, self.types[field]):
+                raise SchemaError(
+                    f"sample {number}: field {field!r} holds {_describe(value)}, but the schema "
+                    f"type is {self.types[field]}"
+                )
+        return values
+
+
+class _ArrowShard:
+    """One Arrow IPC file being written: buffers columns, writes record batches."""
+
+    extension = "arrow"
+
+    def __init__(self, path: str, schema: SampleSchema) -> None:
+        self.types = schema.types
+        self.arrow_schema = pa.schema([(f, arrow_type(t)) for f, t in self.types.items()])
+        self._sink = pa.OSFile(path, "wb")
+        self._writer = pa.ipc.new_file(self._sink, self.arrow_schema)
+        self._columns: dict[str, list[Any]] = {f: [] for f in self.types}
+        self._pending_rows = 0
+        self._pending_bytes = 0
+        self.samples = 0
+
+    def add(self, values: dict[str, Any], nbytes: int, number: int) -> None:
+        for field, value in values.items():
+            self._columns[field].append(value)
+        self._pending_rows += 1
+        self._pending_bytes += nbytes
+        self.samples += 1
+        if self._pending_rows >= _BATCH_ROWS or self._pending_bytes >= _BATCH_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending_rows:
+            return
+        arrays = [build_array(self._columns[f], t) for f, t in self.types.items()]
+        self._writer.write_batch(pa.record_batch(arrays, schema=self.arrow_schema))
+        self._columns = {f: [] for f in self.types}
+        self._pending_rows = self._pending_bytes = 0
+
+    def close(self) -> None:
+        self._flush()
+        self._writer.close()
+        self._sink.close()
+
+    def abort(self) -> None:
+        try:
+            self._writer.close()
+        finally:
+            self._sink.close()
+
+
+class _TarShard:
+    """One WebDataset tar being written."""
+
+    extension = "tar"
+
+    def __init__(self, path: str, schema: SampleSchema) -> None:
+        self._writer = TarShardWriter(path)
+        self.samples = 0
+
+    def add(self, values: dict[str, Any], nbytes: int, number: int) -> None:
+        if KEY_FIELD not in values:
+            values = {KEY_FIELD: f"{number:09d}", **values}
+        try:
+            self._writer.write(values)
+        except ShardloaderError as e:  # bad key or field: name the sample
+            raise type(e)(f"sample {number}: {e}") from None
+        self.samples += 1
+
+    def close(self) -> None:
+        self._writer.close()
+
+    abort = close
+
+    def sidecar(self, tar_bytes: int) -> bytes:
+        """The offsets sidecar of the closed tar (recorded while writing, not scanned)."""
+        return self._writer.offsets(tar_bytes).encode()
+
+    def member_spans(self, tar_bytes: int) -> Any:
+        return self._writer.offsets(tar_bytes).spans
+
+
+def write_shards(
+    samples: Iterable[Mapping[str, Any]],
+    out: str | os.PathLike[str],
+    *,
+    shard_bytes: int = 256 << 20,
+    shard_samples: int | None = None,
+    format: str = "arrow",
+    schema: Mapping[str, str] | None = None,
+    progress: bool = False,
+    overwrite: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    shuffle: bool = False,
+    seed: int = 0,
+    source_index_field: str | None = DEFAULT_INDEX_FIELD,
+    workdir: str | None = None,
+) -> Index:
+    """Write `samples` as shards plus `index.json` into directory `out` (path or fsspec URL).
+
+    Shards are named ``shard-00000.<arrow|tar>``; a tar shard also gets an offsets sidecar
+    ``shard-00000.tar.idx``, and every shard a range sidecar ``<shard>.ranges`` (the byte spans
+    of its rows with their hashes, for reads by range from a cold cache; see
+    `shardloader.format.ranges`). Refuses a directory that already holds an `index.json` unless
+    `overwrite`. On error, the shards written so far are removed and no index is written.
+
+    `shuffle=True` writes the samples in a seeded random order (a pure function of the sample
+    count and `seed`) and stores each one's input position in the int64 field
+    `source_index_field` (None: not stored), so that any read order mixes them even when the
+    input is sorted (see `shardloader.ingest.shuffled`). A sequence is read by index; any
+    other iterable is first copied to a temporary dataset under `workdir`.
+    """
+    if shuffle:
+        _refuse_existing(out, overwrite, storage_options)
+        with _shuffled(samples, seed, index_field=source_index_field, schema=schema,
+                       workdir=workdir) as (ordered, ordered_schema):
+            return write_shards(ordered, out, shard_bytes=shard_bytes, shard_samples=shard_samples,
+                                format=format, schema=ordered_schema, progress=progress,
+                                overwrite=overwrite, storage_options=storage_options)
+    if format not in WRITE_FORMATS:
+        raise ValueError(f"format must be one of {', '.join(WRITE_FORMATS)}, got {format!r}")
+    if shard_bytes <= 0:
+        raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+    if shard_samples is not None and shard_samples <= 0:
+        raise ValueError(f"shard_samples must be positive or None, got {shard_samples}")
+    out = os.fspath(out)
+    target = OutputDir(out, storage_options)
+    if target.exists(INDEX_NAME):
+        if not overwrite:
+            target.close()
+            raise _exists_error(target)
+        target.remove(INDEX_NAME)
+    spec = SampleSchema(schema) if schema is not None else None
+    if spec is not None:
+        _check_fields_for_format(spec, format)
+    shard_cls = _ArrowShard if format == "arrow" else _TarShard
+    written: list[str] = []
+    infos: list[ShardInfo] = []
+    current: _ArrowShard | _TarShard | None = None
+    current_temp = ""
+    current_bytes = 0
+    try:
+        for number, sample in enumerate(tqdm(samples, disable=not progress, unit="sample",
+                                             desc=f"writing {out}")):
+            if spec is None:
+                spec = SampleSchema.infer(sample, number)
+                _check_fields_for_format(spec, format)
+            values = spec.check(sample, number)
+            nbytes = sum(value_nbytes(v) for v in values.values())
+            if current is not None and (
+                (shard_samples is not None and current.samples >= shard_samples)
+                or current_bytes + nbytes > shard_bytes
+            ):
+                infos.append(_finish(target, current, current_temp, len(infos), written))
+                current = None
+            if current is None:
+                current_temp = target.temp_path(_shard_name(len(infos), shard_cls.extension))
+                current = shard_cls(current_temp, spec)
+                current_bytes = 0
+            current.add(values, nbytes, number)
+            current_bytes += nbytes
+        if current is not None:
+            infos.append(_finish(target, current, current_temp, len(infos), written))
+            current = None
+        if not infos:
+            raise ShardloaderError(f"{out}: no samples to write (the input is empty); nothing was written")
+        assert spec is not None
+        stored = spec.types if format == "arrow" else {
+            f: "binary" for f in spec.types if f != KEY_FIELD
+        }
+        index = Index(schema=stored, shards=tuple(infos))
+        target.write_bytes(INDEX_NAME, index.dumps().encode())
+        return index
+    except BaseException:
+        if current is not None:
+            try:
+                current.abort()
+            except Exception:  # the original error matters more than a failed cleanup
+                pass
+        if current_temp:
+            discard(current_temp)
+        for name in written:
+            target.remove(name)
+        raise
+    finally:
+        target.close()
+
+
+@contextlib.contextmanager
+def _shuffled(
+    samples: Iterable[Mapping[str, Any]],
+    seed: int,
+    *,
+    index_field: str | None,
+    schema: Mapping[str, str] | None,
+    workdir: str | None,
+) -> Iterator[tuple[Iterable[dict[str, Any]], dict[str, str] | None]]:
+    """(`samples` in the permuted order, each with its input position in `index_field`; the
+    schema to write them with, `schema` plus the index field, or None to infer).
+
+    A sequence is read directly; any other iterable is spilled to a temporary dataset under
+    `workdir` (the system's temporary folder when None) first.
+    """
+    out_schema = shuffled_schema(schema, index_field)
+    if is_sequence(samples):
+        yield permuted_sequence(samples, seed, index_field), out_schema  # type: ignore[arg-type]
+        return
+    stream = iter(samples)
+    first = next(stream, None)
+    if first is None:  # let the writer report the empty input, naming its destination
+        yield iter(()), out_schema
+        return
+    from shardloader.dataset.sharded import Dataset
+
+    temp = tempfile.mkdtemp(prefix=".shardloader-shuffle-", dir=workdir)
+    try:
+        spill = os.path.join(temp, "source-order")
+        indexed = (with_index(s, index_field, i) for i, s in enumerate(itertools.chain([first], stream)))
+        index = write_shards(indexed, spill, schema=out_schema, shard_bytes=_SPILL_SHARD_BYTES)
+        # written just now by this process: no need to verify its checksums again
+        dataset = Dataset(spill, verify=False, max_open_shards=_SPILL_OPEN_SHARDS)
+        try:
+            yield permuted_rows(dataset, seed), dict(index.schema)
+        finally:
+            dataset.close()
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _refuse_existing(out: str | os.PathLike[str], overwrite: bool,
+                     storage_options: dict[str, Any] | None) -> None:
+    """The writer's refusal of an existing dataset, checked before a shuffle's spill."""
+    if overwrite:
+        return
+    target = OutputDir(os.fspath(out), storage_options)
+    try:
+        if target.exists(INDEX_NAME):
+            raise _exists_error(target)
+    finally:
+        target.close()
+
+
+def _exists_error(target: OutputDir) -> ShardloaderError:
+    return ShardloaderError(
+        f"{target.final_path(INDEX_NAME)}: the output directory already holds a dataset; "
+        "choose an empty directory or pass overwrite=True (`--overwrite` for "
+        "`shardloader convert`)"
+    )
+
+
+def _check_fields_for_format(spec: SampleSchema, format: str) -> None:
+    """Tar members carry fields as lowercase extensions: refuse names that would not round trip."""
+    if format == "tar":
+        for field in spec.types:
+            if field != KEY_FIELD:
+                check_tar_field(field)
+
+
+def _shard_name(number: int, extension: str) -> str:
+    return f"shard-{number:05d}.{extension}"
+
+
+def _finish(
+    target: OutputDir, shard: _ArrowShard | _TarShard, temp: str, number: int, written: list[str]
+) -> ShardInfo:
+    """Close `shard`, checksum it, make it (and a tar's sidecar) appear; its index entry."""
+    name = _shard_name(number, shard.extension)
+    shard.close()
+    checksum, size = checksum_file(temp)
+    extra: dict[str, Any] = {}
+    tar_spans = None
+    if isinstance(shard, _TarShard):
+        sidecar = shard.sidecar(size)
+        target.write_bytes(sidecar_path(name), sidecar)
+        written.append(sidecar_path(name))
+        extra[OFFSETS_KEY] = offsets_entry(sidecar_path(name), sidecar)
+        tar_spans = shard.member_spans(size)
+    ranges = table_of_file(temp, shard.extension, tar_spans).encode()
+    target.write_bytes(ranges_path(name), ranges)
+    written.append(ranges_path(name))
+    extra[RANGES_KEY] = ranges_entry(ranges_path(name), ranges)
+    target.commit(temp, name)
+    written.append(name)
+    return ShardInfo(name, shard.extension, shard.samples, size, checksum, extra)

@@ -1,0 +1,107 @@
+"""When an epoch fetches shard bytes, around the start of its workers: the one place that says
+when remote prefetch starts.
+
+`EpochIterator` calls these steps in this order, which a cold start from remote shards needs:
+
+1. `EpochPrefetch(...)`: the dataset's capacity check (a cache too small for this
+   configuration fails here, not mid-epoch); `source.expect_prefetch()`, before the workers
+   start, so the setting travels with the dataset; and `source.defers_prefetch(index)`.
+2. `before_workers`: when prefetch is deferred, the first batch's bytes are fetched before the
+   workers fork (`prime_first_batch`).
+3. `after_workers_started`: when deferred, the next shards' range sidecars are fetched in the
+   background, for the workers.
+4. `start_unless_deferred`, once the first batches are submitted: otherwise whole-shard
+   prefetch starts here, in the order this rank needs the shards.
+5. `start_deferred`: a deferred prefetch starts once the first batch is out.
+
+A source that reads the first batches' rows by byte range defers whole-shard prefetch that way,
+so that its downloads do not compete with those reads (bandwidth, connections, CPU) for the
+batch a cold start waits for. Before the fork, the first batch's bytes are fetched here (the
+workers inherit them; the fetching thread has ended, the S3 client's own threads are idle and
+never used by a child); after it, the next shards' range sidecars, for the workers. Which
+sources defer: `RemoteSource.defers_prefetch`; a local one never does, and its prefetch is a
+no-op.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+from shardloader.loader.plan import StepPlan, first_shards, shards_ahead
+from shardloader.loader.pool_keeper import PoolKeeper
+from shardloader.loader.protocol import LoaderDataset
+
+#: How long iter() waits for the first batch's bytes before it starts the workers anyway.
+_PRIME_SECONDS = 30.0
+
+
+class EpochPrefetch:
+    """The shard I/O of one epoch of one rank: the `steps` (of `epoch`) it has left to read."""
+
+    def __init__(self, dataset: LoaderDataset, plan: StepPlan, epoch: int, steps: range, *,
+                 num_workers: int) -> None:
+        self.dataset = dataset
+        self.plan = plan
+        self.epoch = epoch
+        self.steps = steps
+        self.handle: Any = None  # the running prefetch (with `stop()`), or None
+        dataset.check_capacity(num_workers=num_workers)
+        dataset.source.expect_prefetch()
+        self.deferred = dataset.source.defers_prefetch(dataset.index)
+
+    def before_workers(self, workers: PoolKeeper) -> None:
+        if self.deferred:
+            self._prime_first_batch(workers)
+
+    def _prime_first_batch(self, workers: PoolKeeper) -> None:
+        """Cold start from remote shards: fetch the bytes the first batch reads by range now,
+        before the workers fork, so that its worker inherits them and needs no request, and the
+        other workers' requests for the next batches do not compete with the first's (measured
+        with 2 workers on loopback S3: see docs/cache.md). The imports the workers would inherit
+        are done meanwhile. Bounded: a fetch still running after `_PRIME_SECONDS` is left to
+        finish in the background (its worker then fetches the rows itself)."""
+        if not self.steps:
+            return
+        if not workers.would_inherit():
+            return  # workers already running (persistent), or started fresh: they would not inherit
+        samples = self.plan.samples(self.epoch, self.steps[0])
+        thread = threading.Thread(target=self.dataset.prime, args=(samples,), name="shardloader-prime",
+                                  daemon=True)
+        thread.start()
+        if workers.forks:
+            workers.producer.warm_up()
+        thread.join(_PRIME_SECONDS)
+        if thread.is_alive():
+            warnings.warn(f"fetching the first batch's bytes took over {_PRIME_SECONDS:g} s; starting "
+                          "the workers anyway (they fetch what they need themselves)", stacklevel=5)
+
+    def after_workers_started(self, depth: int) -> None:
+        """`depth`: how many batches are about to be submitted."""
+        if self.deferred:
+            self.dataset.source.warm_ranges(first_shards(self.plan, self.epoch, self.steps[:depth],
+                                                         self.dataset.index.shards))
+
+    def start_unless_deferred(self) -> None:
+        if not self.deferred:
+            self.handle = self._start()
+
+    def start_deferred(self) -> None:
+        """The first batch is out: start the prefetch that waited for it."""
+        self.deferred = False
+        self.handle = self._start()
+
+    def _start(self) -> Any:
+        return self.dataset.source.start_prefetch(
+            shards_ahead(self.plan, self.epoch, self.steps, self.dataset.index.shards))
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End the prefetch: at the epoch's end (downloads are done or useless), or within
+        `timeout` seconds when the epoch is abandoned or the loader closes."""
+        if self.handle is None:
+            return
+        if timeout is None:
+            self.handle.stop()
+        else:
+            self.handle.stop(timeout)

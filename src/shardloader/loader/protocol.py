@@ -1,0 +1,143 @@
+"""What a Loader may call on the dataset it reads from: the one declared seam of `loader/`.
+
+Everything in `shardloader.loader` (the Loader, its epoch iterator, the batch producer in the
+workers) reaches what it reads only through these protocols, and a dataset's shard source only
+through `shardloader.source.protocol.ShardSource`: no `getattr` probes, no checks of concrete
+classes. Members with a body are null defaults, inherited by explicit subclasses.
+
+- `LoaderDataset`: what batches are read from. `shardloader.Dataset` implements all of it as
+  is (it sits below `loader/` and cannot name this class); `MapStyleDataset` (any map-style
+  dataset) subclasses it and keeps the defaults: no shard source, nothing to wait for, check,
+  prime or close.
+- `ShardedDataset`: the core of a "native" dataset (`index`, `source`, `len`, `get_many`).
+  Another class with only that core is read through `CoreOnly`, the defaults filling the rest.
+- `KeyedReads`: a dataset whose reads draw random numbers, and so read each sample under its
+  key (a map-style dataset that augments in `__getitem__`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from shardloader.format.index import ShardInfo
+from shardloader.source.protocol import ShardSource
+
+
+@runtime_checkable
+class DatasetIndex(Protocol):
+    """What a Loader reads of an index: per-shard sample offsets, an identity, the shards."""
+
+    sample_offsets: np.ndarray
+    fingerprint: str
+    shards: Sequence[ShardInfo]
+
+
+class NoShardSource(ShardSource):
+    """The source of a dataset without shard files (samples come from `dataset[i]`): no shard
+    cache, no prefetch, no counters (every member the null default)."""
+
+    root = ""
+
+    def local_path(self, info: ShardInfo) -> str:
+        raise TypeError(f"{info.path}: this dataset has no shard files")
+
+    def start_prefetch(self, shard_infos: Iterable[ShardInfo]) -> None:
+        """Nothing to prefetch, and no shard cache to load for it: no handle."""
+        return None
+
+
+#: The source of every dataset that has none.
+NO_SHARD_SOURCE = NoShardSource()
+
+
+@runtime_checkable
+class ShardedDataset(Protocol):
+    """The core a native dataset has: an index, a shard source (or None), its length, and
+    `get_many(samples)`: the samples in the order given, each shard's rows read in one call."""
+
+    index: DatasetIndex
+    source: ShardSource | None
+
+    def __len__(self) -> int: ...
+
+    def get_many(self, samples: Sequence[int] | np.ndarray) -> list[Any]: ...
+
+
+@runtime_checkable
+class LoaderDataset(ShardedDataset, Protocol):
+    """Everything a Loader, its epoch iterator and its batch producer call on a dataset."""
+
+    #: The dataset's shard source, reached only through `ShardSource` (prefetch, priming,
+    #: counters; see `shardloader.loader.prefetch_policy`).
+    source: ShardSource = NO_SHARD_SOURCE
+
+    def shard_wait_seconds(self) -> float:
+        """Seconds this thread has waited for shard files so far (download, verification): the
+        storage share of reading time, measured by the reading thread alone."""
+        return 0.0
+
+    def check_capacity(self, *, num_workers: int) -> None:
+        """Refuse, before anything is read, a configuration the dataset cannot serve (a cache
+        too small for reading with `num_workers` per rank). The Loader calls it when iteration
+        starts."""
+        return None
+
+    def prime(self, samples: Sequence[int] | np.ndarray) -> int:
+        """Fetch now what reading `samples` will need, so that this process and the workers it
+        forks afterwards read them without a request; returns how much was kept."""
+        return 0
+
+    def warm_up(self) -> None:
+        """Load now, before the Loader forks its workers, what reading loads lazily (the shard
+        formats' reader code; where it costs no download, one read), so that every worker
+        inherits it instead of loading it itself. Errors are the caller's to ignore."""
+        return None
+
+    def close(self) -> None:
+        """Drop this process's readers (and their cache pins)."""
+        return None
+
+
+@runtime_checkable
+class KeyedReads(Protocol):
+    """A dataset whose reads draw random numbers (`keyed_reads`): the producer then reads with
+    `read_keyed`, each sample under global RNGs seeded from its key (invariant I3); `lock`
+    serialises threads, as the global RNGs are shared."""
+
+    keyed_reads: bool
+
+    def read_keyed(self, samples: np.ndarray, keys: Sequence[int], lock: threading.Lock) -> list[Any]: ...
+
+
+class CoreOnly(LoaderDataset):
+    """A native dataset that has only the `ShardedDataset` core, read with the null defaults of
+    `LoaderDataset` for the rest (a source of None: `NO_SHARD_SOURCE`)."""
+
+    def __init__(self, dataset: ShardedDataset) -> None:
+        self.dataset = dataset
+        self.index = dataset.index
+        self.source = NO_SHARD_SOURCE if dataset.source is None else dataset.source
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def get_many(self, samples: Sequence[int] | np.ndarray) -> list[Any]:
+        return self.dataset.get_many(samples)
+
+    def __repr__(self) -> str:
+        return f"CoreOnly({self.dataset!r})"
+
+
+def is_sharded_dataset(dataset: Any) -> bool:
+    """Whether `dataset` speaks the Loader's native interface (`ShardedDataset`, with an index
+    that is a `DatasetIndex`): shardloader.Dataset and alikes."""
+    return isinstance(dataset, ShardedDataset) and isinstance(dataset.index, DatasetIndex)
+
+
+def as_native_dataset(dataset: ShardedDataset) -> LoaderDataset:
+    """`dataset` itself when it is a whole `LoaderDataset`, else its core with the defaults."""
+    return dataset if isinstance(dataset, LoaderDataset) else CoreOnly(dataset)

@@ -1,0 +1,4 @@
+"""What a shardloader process needs from its interpreter and launcher: its place under
+torch.distributed (`distenv`), child processes that die with it (`child_process`), and the
+collector kept off the path to the first batch (`startup`).
+"""

@@ -1,0 +1,467 @@
+"""Reading rows of shards the node cache does not hold yet, by byte range.
+
+With a cold cache, the first batches would wait for every shard they draw from to download
+whole (partitions x window shards: 16 with the defaults). Instead, a reader that needs rows of
+a shard not yet in the cache fetches just the byte spans those rows live in (see
+`shardloader.format.ranges`), for all shards of a batch in one concurrent round of requests,
+while the prefetcher downloads whole shards behind it. Once a shard is whole and verified in the
+cache, readers use the cache as before; the cache still ends with whole, verified shards (I6).
+
+Per batch that is two rounds of requests at most: the shards' range sidecars (once per shard
+and process, kept in memory) and the spans. Spans of one shard that lie close together
+(`gap` bytes apart or less) are fetched as one request: on object stores a request costs far
+more than a few kB of transfer.
+
+Verification. A sidecar must match its index entry (size, checksum) and every span its xxh3-64
+in the sidecar. A span that does not match is fetched once more (a body damaged in transit);
+if it still does not match, the remote object is not the one the index describes, and the read
+is a `ChecksumMismatch` naming the shard's URL and the byte range: never wrong rows. A sidecar
+that is missing or does not verify is a warning, and that shard is read whole, as before.
+
+Sidecars are shared on the node: a process that fetched and verified one keeps it in
+`<cache_dir>/ranges/<algorithm>-<digest>` (named by its checksum in the index, verified again
+when read). These files are small (about 65 bytes per row and column) and are not counted in the
+cache limit; `shardloader cache prune` leaves them.
+
+The first batch. Before a Loader forks its workers, the training process fetches everything its
+first batch reads by range (`prime`: sidecars, then spans, verified) and keeps it; the workers
+inherit it with the fork (`after_fork`), so the first batch's worker reads its rows without a
+request and the next batches' requests do not compete with the first's. Measured with 2 workers
+on loopback moto (which serves one request at a time), speed.py's cold first batch: the priming
+and the lighter S3 client of `shardloader.io.s3client` together took it from 1.34 s to 0.38 s
+(medians of 7 fresh processes, alternated). After the fork a background thread of the training
+process fetches the sidecars of the next batches' shards (`warm`) for the workers to find on the
+node; a worker never waits for it: what is not there yet it fetches itself.
+
+Bounds. Per process and shard, reads by range fetch at most `budget` (a fraction of the shard's
+size); a read that would pass it waits for the whole shard instead, so range reads cost at most
+that fraction on top of the whole download, whatever the prefetcher does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import secrets
+import threading
+import warnings
+from collections import ChainMap, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shardloader.errors import ChecksumMismatch, ShardloaderError, UnsafePathError
+from shardloader.format.arrays import sorted_unique
+from shardloader.format.index import ShardInfo
+from shardloader.format.ranges import RANGES_KEY, RangeTable, span_hash
+from shardloader.format.registry import rows_from_spans, shard_format
+from shardloader.io.checksum import checksum_bytes, parse_checksum
+from shardloader.io.paths import join_url, safe_relative_path
+from shardloader.io.retry import RetryPolicy
+from shardloader.io.transfer import FetchStats, RangeRequest, read_ranges
+
+log = logging.getLogger(__name__)
+
+#: Spans of one shard at most this far apart are fetched in one request: 1 MiB, the distance
+#: below which the Rust `object_store` crate (behind obstore, litdata's reader) joins ranges
+#: too. On loopback moto a cold first batch of 64 rows from 8 shards took 60 requests with
+#: 64 KiB and 35 with 1 MiB (10 MB instead of 1 MB): 0.45 -> 0.38 s to the first batch, A/B.
+#: Behind a proxy adding 30 ms per request: 0.47 -> 0.34 s at 200 MB/s, but 0.49 -> 0.68 s at
+#: 25 MB/s, where the gaps' bytes cost more than the requests they save (see docs/cache.md).
+DEFAULT_GAP = 1 << 20
+#: One request covers at most this many bytes (spans are never split).
+_MAX_REQUEST = 8 << 20
+#: Shared and group spans (Arrow batch metadata) up to this size are kept for the next reads of
+#: their shard; larger ones (Parquet row groups) are not, to bound memory per process.
+_MAX_KEPT = 1 << 20
+
+
+@dataclass
+class _ShardState:
+    table: RangeTable
+    tar: Any  # TarOffsets of a tar shard, else None
+    kept: dict[int, bytes] = field(default_factory=dict)  # shared and group spans fetched
+    spent: int = 0  # bytes fetched by range in this process
+
+
+@dataclass
+class RangeCounters:
+    reads: int = 0  # shard reads served by range
+    bytes: int = 0  # bytes received by range (sidecars included)
+    requests: int = 0
+    seconds: float = 0.0
+
+
+def coalesce(spans: np.ndarray, gap: int) -> list[tuple[int, int, list[int]]]:
+    """Requests (lo, hi, span positions) covering `spans` (int64 [n, 2] offset, length), each
+    joining spans at most `gap` bytes apart, up to `_MAX_REQUEST` bytes."""
+    order = np.argsort(spans[:, 0], kind="stable")
+    out: list[tuple[int, int, list[int]]] = []
+    for i in order.tolist():
+        lo, n = spans[i].tolist()
+        hi = lo + n
+        if out and lo - out[-1][1] <= gap and max(hi, out[-1][1]) - out[-1][0] <= _MAX_REQUEST:
+            prev = out[-1]
+            out[-1] = (prev[0], max(prev[1], hi), prev[2] + [i])
+        else:
+            out.append((lo, hi, [i]))
+    return out
+
+
+class RangeReads:
+    """One process's reads by range. Thread-safe; `read` may run in many threads at once."""
+
+    def __init__(
+        self,
+        filesystem: Callable[[], tuple[Any, str]],
+        root: str,
+        *,
+        policy: RetryPolicy,
+        gap: int = DEFAULT_GAP,
+        budget: float = 0.5,
+        max_shards: int = 64,
+        sidecar_dir: str | None = None,
+    ) -> None:
+        self._filesystem = filesystem
+        self.sidecar_dir = sidecar_dir
+        self.root = root
+        self.policy = policy
+        self.gap = gap
+        self.budget = budget
+        self.max_shards = max_shards
+        self.counters = RangeCounters()
+        self._rng = random.Random()
+        self._lock = threading.Lock()
+        self._shards: OrderedDict[str, _ShardState | None] = OrderedDict()  # None: read whole
+        self._loading: dict[str, threading.Event] = {}  # sidecars being fetched by a thread
+
+    # -- public --------------------------------------------------------------------------------
+    def read(self, wanted: Sequence[tuple[ShardInfo, np.ndarray]]) -> dict[int, list[dict[str, Any]]]:
+        """Records of the rows of each (shard, rows) in `wanted` that can be read by range, by
+        position in `wanted`; shards left out are to be read whole."""
+        states = self._states([info for info, _ in wanted])
+        plans: list[tuple[int, ShardInfo, np.ndarray, _ShardState, np.ndarray]] = []
+        with self._lock:
+            for pos, (info, rows) in enumerate(wanted):
+                state = states.get(info.path)
+                if state is None:
+                    continue
+                ids = state.table.needed(rows)
+                have = state.table.inline
+                missing = np.asarray([i for i in ids.tolist() if i not in state.kept and i not in have],
+                                     dtype=np.int64)
+                cost = self._cost(state.table, missing)
+                if state.spent + cost > self.budget * info.bytes:
+                    continue  # reading on by range would cost more than waiting for the shard
+                state.spent += cost
+                plans.append((pos, info, np.asarray(rows, dtype=np.int64), state, missing))
+        if not plans:
+            return {}
+        fetched = self._fetch_spans([(info, state.table, missing) for _, info, _, state, missing in plans])
+        out: dict[int, list[dict[str, Any]]] = {}
+        for (pos, info, rows, state, _), spans in zip(plans, fetched):
+            keep = set(state.table.shared.tolist())
+            groups = sorted_unique(state.table.groups_of(rows)).tolist()
+            for g in groups:
+                keep.update(state.table.group_ids[state.table.group_ptr[g]:state.table.group_ptr[g + 1]].tolist())
+            with self._lock:
+                for i in keep.intersection(spans):
+                    if len(spans[i]) <= _MAX_KEPT:  # a Parquet row group is fetched per read
+                        state.kept[i] = spans[i]
+                have = ChainMap(spans, dict(state.kept), state.table.inline)  # what the rows need
+                self.counters.reads += 1
+            out[pos] = rows_from_spans(state.table, have, rows, where=self._url(info.path),
+                                       tar_offsets=state.tar)
+        return out
+
+    def prime(self, wanted: Sequence[tuple[ShardInfo, np.ndarray]]) -> int:
+        """Fetch, verify and keep the spans that reading the rows of `wanted` needs (and the
+        sidecars of their shards), so that those reads need no request: in this process, and in
+        worker processes forked after this returns, which inherit what it kept. A Loader calls
+        it for its first batch before it forks its workers (see `RemoteSource.prime_ranges`).
+        Spans over `_MAX_KEPT` (Parquet row groups) are left to the reads. Returns the number
+        of spans kept. Never raises: the read that needs the rows fetches (and reports) itself."""
+        try:
+            states = self._states([info for info, _ in wanted])
+            work: list[tuple[ShardInfo, _ShardState, np.ndarray]] = []
+            with self._lock:
+                for info, rows in wanted:
+                    state = states.get(info.path)
+                    if state is None:
+                        continue
+                    ids = state.table.needed(rows)
+                    small = state.table.spans[ids, 1] <= _MAX_KEPT
+                    missing = np.asarray([i for i in ids[small].tolist()
+                                          if i not in state.kept and i not in state.table.inline],
+                                         dtype=np.int64)
+                    cost = self._cost(state.table, missing)
+                    if not len(missing) or state.spent + cost > self.budget * info.bytes:
+                        continue
+                    state.spent += cost
+                    work.append((info, state, missing))
+            if not work:
+                return 0
+            fetched = self._fetch_spans([(info, state.table, missing) for info, state, missing in work])
+            with self._lock:
+                for (_, state, _), spans in zip(work, fetched):
+                    state.kept.update(spans)
+            return sum(len(spans) for spans in fetched)
+        except Exception:  # noqa: BLE001 - an optimisation: the reads fetch what they need
+            log.debug("priming reads by range failed", exc_info=True)
+            return 0
+
+    def _gap(self, table: RangeTable) -> int:
+        """How far apart spans of this shard may lie and still share a request: `gap`, but at
+        most 1/16 of the shard, so that a read of a few rows of a small shard never transfers
+        most of it (it would rather wait for the whole shard, see `budget`)."""
+        return min(self.gap, table.shard_bytes // 16)
+
+    def _cost(self, table: RangeTable, ids: np.ndarray) -> int:
+        """Bytes the requests for spans `ids` transfer (gaps between joined spans included)."""
+        if not len(ids):
+            return 0
+        return sum(hi - lo for lo, hi, _ in coalesce(table.spans[ids], self._gap(table)))
+
+    def after_fork(self) -> RangeReads:
+        """This object, made safe to use in a forked child: the tables and spans it holds are
+        kept (that is what the child inherits them for); locks, loads in flight (threads do
+        not cross a fork), counters and the jitter source start anew."""
+        self._lock = threading.Lock()
+        self._loading = {}
+        self.counters = RangeCounters()
+        self._rng = random.Random()
+        return self
+
+    # -- sidecars ------------------------------------------------------------------------------
+    def _url(self, relative: str) -> str:
+        return join_url(self.root, relative)
+
+    def _states(self, infos: Sequence[ShardInfo]) -> dict[str, _ShardState | None]:
+        """Each shard's range table: loaded already, being loaded by another thread of this
+        process (waited for: the training process's warm-up thread and its reader must not
+        fetch the same sidecars twice), or fetched now, all in one round."""
+        with self._lock:
+            known = {info.path: self._shards[info.path] for info in infos if info.path in self._shards}
+            for path in known:
+                self._shards.move_to_end(path)
+            others = {info.path: self._loading[info.path] for info in infos
+                      if info.path not in known and info.path in self._loading}
+            todo = [info for info in {i.path: i for i in infos}.values()
+                    if info.path not in known and info.path not in others]
+            done = threading.Event()
+            for info in todo:
+                self._loading[info.path] = done
+        try:
+            known.update(self._load(todo))
+        finally:
+            with self._lock:
+                for info in todo:
+                    self._loading.pop(info.path, None)
+            done.set()
+        for path, event in others.items():
+            event.wait(self.policy.deadline)
+            with self._lock:
+                known[path] = self._shards.get(path)
+        return known
+
+    def _load(self, todo: list[ShardInfo]) -> dict[str, _ShardState | None]:
+        """Fetch (or find on the node) and decode the sidecars of `todo`."""
+        known: dict[str, _ShardState | None] = {}
+        if not todo:
+            return known
+        wanted: list[tuple[ShardInfo, str, str, int, str]] = []  # info, kind, relative, bytes, checksum
+        for info in {i.path: i for i in todo}.values():
+            entries = _sidecars(info)
+            if entries is None:
+                self._remember(info.path, None)
+                known[info.path] = None
+                continue
+            wanted += [(info, kind, rel, size, checksum) for kind, (rel, size, checksum) in entries.items()]
+        loaded: dict[str, dict[str, bytes]] = {}
+        remote = []
+        for item in wanted:
+            local = self._load_local(item[4], item[3])
+            if local is None:
+                remote.append(item)
+            else:
+                loaded.setdefault(item[0].path, {})[item[1]] = local
+        if remote:
+            fs, base = self._filesystem()
+            requests = [RangeRequest(join_url(base, rel) if base else rel, self._url(rel), 0, size, size)
+                        for _, _, rel, size, _ in remote]
+            try:
+                data, stats = read_ranges(fs, requests, policy=self.policy, rng=self._rng)
+            except ShardloaderError as e:
+                warnings.warn(f"range sidecars not readable ({e}); reading those shards whole", stacklevel=4)
+                data, stats = [b""] * len(remote), FetchStats()
+            self._count(stats, len(requests))
+            for (info, kind, rel, size, checksum), blob in zip(remote, data):
+                if len(blob) == size and checksum_bytes(blob, parse_checksum(checksum)[0]) == checksum:
+                    loaded.setdefault(info.path, {})[kind] = blob
+                    self._store_local(checksum, blob)
+                elif blob or size == 0:
+                    warnings.warn(f"{self._url(rel)}: sidecar does not match its index entry (size or "
+                                  "checksum); reading the shard whole", stacklevel=4)
+        if wanted:
+            for info in {i.path: i for i, *_ in wanted}.values():
+                state = self._decode(info, loaded.get(info.path, {}))
+                self._remember(info.path, state)
+                known[info.path] = state
+        return known
+
+    # -- sidecars shared on the node ---------------------------------------------------------
+    def _local_path(self, checksum: str) -> str | None:
+        if self.sidecar_dir is None:
+            return None
+        algorithm, digest = parse_checksum(checksum)  # validated: hex digest, known algorithm
+        return os.path.join(self.sidecar_dir, f"{algorithm}-{digest}")
+
+    def _load_local(self, checksum: str, size: int) -> bytes | None:
+        """A sidecar another process of the node fetched, if it is there and verifies."""
+        path = self._local_path(checksum)
+        if path is None:
+            return None
+        try:
+            with open(path, "rb") as f:
+                data = f.read(size + 1)
+        except OSError:
+            return None
+        if len(data) != size or checksum_bytes(data, parse_checksum(checksum)[0]) != checksum:
+            return None
+        return data
+
+    def _store_local(self, checksum: str, data: bytes) -> None:
+        """Keep a verified sidecar for the node's other processes (best effort, atomic)."""
+        path = self._local_path(checksum)
+        if path is None or os.path.exists(path):
+            return
+        # Not `tempfile`: its first use takes a module lock, which a worker forked at that
+        # instant would inherit held forever.
+        temp = f"{path}.{os.getpid()}.{secrets.token_hex(6)}.part"
+        try:
+            os.makedirs(self.sidecar_dir, mode=0o700, exist_ok=True)  # type: ignore[arg-type]
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(temp, path)
+        except OSError:
+            log.debug("could not keep sidecar %s", path, exc_info=True)
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+
+    def warm(self, infos: Sequence[ShardInfo]) -> None:
+        """Load the sidecars of `infos` (from the node, else remotely) and keep them on the node
+        for other processes: a Loader calls this in a background thread of the training process
+        while its workers start, so that their first reads need no sidecar round."""
+        try:
+            self._states(infos)
+        except Exception:  # noqa: BLE001 - an optimisation: readers fetch what they need
+            log.debug("warming range sidecars failed", exc_info=True)
+
+    def _decode(self, info: ShardInfo, blobs: dict[str, bytes]) -> _ShardState | None:
+        fmt = shard_format(info.format)
+        if "ranges" not in blobs or (fmt.companion is not None and fmt.companion.key not in blobs):
+            return None
+        where = self._url(info.path)
+        try:
+            table = RangeTable.decode(blobs["ranges"], where=where + ".ranges")
+            tar = None
+            if fmt.companion is not None:
+                tar = fmt.decode_companion(blobs[fmt.companion.key], where=where + fmt.companion.suffix)
+                if len(tar) != info.samples:
+                    raise ShardloaderError(f"{where}: offsets sidecar lists {len(tar)} samples, "
+                                           f"the index {info.samples}")
+            if table.shard_bytes != info.bytes or table.rows != info.samples or table.format != info.format:
+                raise ShardloaderError(f"{where}.ranges: describes a {table.format} file of "
+                                       f"{table.shard_bytes} bytes and {table.rows} rows, the index a "
+                                       f"{info.format} file of {info.bytes} bytes and {info.samples} rows")
+        except ShardloaderError as e:
+            warnings.warn(f"{e}; reading the shard whole", stacklevel=5)
+            return None
+        return _ShardState(table, tar)
+
+    def _remember(self, path: str, state: _ShardState | None) -> None:
+        with self._lock:
+            self._shards[path] = state
+            self._shards.move_to_end(path)
+            while len(self._shards) > self.max_shards:
+                self._shards.popitem(last=False)
+
+    # -- spans ---------------------------------------------------------------------------------
+    def _fetch_spans(self, work: list[tuple[ShardInfo, RangeTable, np.ndarray]]) -> list[dict[int, bytes]]:
+        """For each (shard, table, span ids): the verified bytes of those spans, all shards'
+        requests in one concurrent round (plus one more for spans that did not verify)."""
+        fs, base = self._filesystem()
+        results: list[dict[int, bytes]] = [{} for _ in work]
+        todo = list(range(len(work)))
+        for attempt in range(2):
+            requests: list[RangeRequest] = []
+            owners: list[tuple[int, int, list[int]]] = []  # (work item, lo, span ids)
+            for w in todo:
+                info, table, ids = work[w]
+                ids = np.asarray([i for i in ids.tolist() if i not in results[w]], dtype=np.int64)
+                if not len(ids):
+                    continue
+                rel = join_url(base, info.path) if base else info.path
+                for lo, hi, members in coalesce(table.spans[ids], self._gap(table)):
+                    requests.append(RangeRequest(rel, self._url(info.path), lo, hi, info.bytes))
+                    owners.append((w, lo, [int(ids[m]) for m in members]))
+            if not requests:
+                break
+            data, stats = read_ranges(fs, requests, policy=self.policy, rng=self._rng)
+            self._count(stats, len(requests))
+            bad: list[tuple[int, int, int]] = []  # (work item, offset, length)
+            for (w, lo, ids), blob in zip(owners, data):
+                table = work[w][1]
+                for i in ids:
+                    offset, length = table.spans[i].tolist()
+                    piece = blob[offset - lo:offset - lo + length]
+                    if span_hash(piece) == int(table.hashes[i]):
+                        results[w][i] = piece
+                    else:
+                        bad.append((w, offset, length))
+            if not bad:
+                break
+            if attempt:
+                w, offset, length = bad[0]
+                raise ChecksumMismatch(
+                    f"{self._url(work[w][0].path)}: bytes {offset}-{offset + length - 1} read by range "
+                    f"do not match the hash the index's range sidecar records for them (read twice): "
+                    f"the remote object is not the one that was indexed (changed after indexing?); "
+                    f"refusing to use its rows ({len(bad)} span(s) differ)"
+                )
+            todo = sorted({w for w, _, _ in bad})
+        return results
+
+    def _count(self, stats: FetchStats, requests: int) -> None:
+        with self._lock:
+            self.counters.bytes += stats.bytes_received
+            self.counters.requests += requests
+            self.counters.seconds += stats.seconds
+
+
+def _sidecars(info: ShardInfo) -> dict[str, tuple[str, int, str]] | None:
+    """(relative path, bytes, checksum) of the sidecars a read by range of `info` needs, or None
+    when the index describes none (an index written before range sidecars existed)."""
+    companion = shard_format(info.format).companion
+    keys = {"ranges": RANGES_KEY} if companion is None else {"ranges": RANGES_KEY, companion.key: companion.key}
+    out = {}
+    for kind, key in keys.items():
+        entry = info.extra.get(key)
+        if not isinstance(entry, dict):
+            return None
+        rel, size, checksum = entry.get("path"), entry.get("bytes"), entry.get("checksum")
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            return None
+        try:
+            rel = safe_relative_path(rel, what=f"{info.path}: {kind} sidecar")
+            parse_checksum(str(checksum))
+        except (UnsafePathError, ValueError) as e:
+            log.warning("%s: not reading by range: %s", info.path, e)
+            return None
+        out[kind] = (rel, size, str(checksum))
+    return out

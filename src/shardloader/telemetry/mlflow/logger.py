@@ -1,0 +1,429 @@
+"""`MLflowLogger`: per-batch telemetry to MLflow, off the training thread, never blocking it.
+
+The training thread only appends the record to a bounded queue (`on_batch` costs about a
+microsecond). A daemon thread packs the queued records into plain tuples once per
+`flush_interval` (or sooner when the queue is half full) and hands them to the delivery side,
+which turns them into metrics (the training step is the MLflow step, the delivery time the
+timestamp) and sends them with `MlflowClient.log_batch`, up to 1,000 metrics per call.
+
+By default the delivery side is a small writer process (`process=True`): MLflow spends 20-70
+microseconds of CPU per metric (protobuf and JSON for a server, SQLAlchemy for a local store),
+which in the training process would hold the GIL for ~1 ms per batch of 11 metrics. With
+`process=False` it runs in the background thread instead.
+
+No network call runs on the training thread: the constructor returns at once whatever the
+tracking server does, and the run is created (or found) by the delivery side. `run_id` is None
+until the delivery side knows it; `wait_run_id(timeout)` waits for it, at most `timeout`
+seconds. (Only a run in a local store, started when neither `run_id` nor `tracking_uri` is
+given, is started on the calling thread, so that it is the thread's active run.)
+
+A tracking server that is down or hangs never stalls or crashes training:
+- when the queue is full, new records are dropped and counted (`dropped`);
+- before talking to an HTTP server the delivery side sends one short probe (`probe_timeout`),
+  so a dead or silent server does not put it into MLflow's retry loop; the writer process
+  also caps every MLflow request at `request_timeout` seconds with no retries of MLflow's own;
+- metrics that could not be sent stay in a bounded buffer and are retried with backoff (up to
+  30 s apart); the oldest are dropped and counted (`metrics_dropped`) when it overflows;
+- `close()` returns within `close_timeout` seconds whatever the server does (a writer process
+  still busy then is killed), and warns with the number of metrics not delivered;
+- the writer process dies with the training process (parent-death signal and a parent-pid
+  check) and its socket is closed in every child forked later (loader workers), so a killed
+  trainer leaves nothing behind; its run, left RUNNING, is marked FAILED by the next logger
+  that creates a run in the same experiment on the same machine.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import os
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from shardloader.runtime.distenv import process_group_active, rank_and_world
+from shardloader.telemetry.background import BackgroundSink
+from shardloader.telemetry.mlflow.delivery import experiment_id_for, server_reachable
+from shardloader.telemetry.mlflow.owner import owner_tags
+from shardloader.telemetry.mlflow.probe import is_local_store
+from shardloader.telemetry.mlflow.transport import ProcessTransport, ThreadTransport
+from shardloader.telemetry.records import LOGGABLE_FIELDS, BatchRecord
+from shardloader.telemetry.sinks import JsonlLogger
+
+log = logging.getLogger(__name__)
+
+#: Metric fields logged per batch unless `fields=` says otherwise: fetch_seconds and what the
+#: report needs to name its cause. Each metric costs the store 20-70 us of CPU, so the cache
+#: counters, padding and epoch are opt-in (`fields=LOGGABLE_FIELDS` logs everything).
+DEFAULT_FIELDS: tuple[str, ...] = (
+    "fetch_seconds", "read_seconds", "transform_seconds", "download_wait_seconds",
+    "queue_depth", "samples",
+)
+__all__ = ["DEFAULT_FIELDS", "LOGGABLE_FIELDS", "MLflowLogger", "current_rank",
+           "server_reachable"]
+
+
+def current_rank() -> int:
+    """This process's rank: torch.distributed's when initialised, else $RANK, else 0."""
+    return rank_and_world(env_fallback=True)[0]
+
+
+class MLflowLogger(BackgroundSink):
+    """Logs every batch record (thinned by `every_n_steps`) as MLflow metrics.
+
+    Where it logs: `run_id` if given; else the active MLflow run (when `tracking_uri` is not
+    given or is the current one); else a new run in `experiment`, created by the delivery side
+    (tagged with this process as its owner) and ended (FINISHED) on `close()`. Exception: with
+    neither `run_id` nor `tracking_uri` and MLflow's tracking URI a local store (MLflow's
+    default), the run is started here as this thread's active run, so your own `mlflow.log_*`
+    calls land in it too. `run_id` is None until known; `wait_run_id(timeout)` waits for it.
+
+    Ranks: with `all_ranks=False` only rank 0 logs (elsewhere this is a no-op). With
+    `all_ranks=True` every rank logs into the same run with keys suffixed `/rank{r}`; when
+    torch.distributed is initialised and no run is given, rank 0 draws a token and broadcasts
+    it (a collective: every rank constructs its logger at the same point); rank 0's delivery
+    side creates the run tagged with it, the others' find it by that tag.
+
+    `fields` are the `BatchRecord` fields logged per batch (metric key = `prefix + field`).
+    `jsonl_path` also writes every record to a JSON-lines file (see `JsonlLogger`).
+    Time limits: `close_timeout` bounds `close()` (and `flush()` by default); `probe_timeout`
+    the liveness probe before each delivery attempt; `request_timeout` each MLflow request of
+    the writer process. Counters: `dropped` (records refused, queue full), `metrics_logged`,
+    `metrics_dropped` (buffer overflow or rejected by the server), `batch_calls` (log_batch
+    calls), and in `counters()` `metrics_undelivered` (as of `close()`: every metric handed to
+    the logger and not confirmed delivered).
+    """
+
+    def __init__(
+        self,
+        run_id: str | None = None,
+        tracking_uri: str | None = None,
+        experiment: str | None = None,
+        every_n_steps: int = 1,
+        max_queue: int = 10_000,
+        all_ranks: bool = False,
+        jsonl_path: str | os.PathLike[str] | None = None,
+        *,
+        fields: Sequence[str] = DEFAULT_FIELDS,
+        prefix: str = "",
+        process: bool = True,
+        flush_interval: float = 1.0,
+        close_timeout: float = 10.0,
+        probe_timeout: float = 2.0,
+        request_timeout: float = 10.0,
+        rank: int | None = None,
+        group: Any = None,
+    ) -> None:
+        super().__init__(max_queue=max_queue, flush_interval=flush_interval,
+                         close_timeout=close_timeout, name="shardloader-mlflow")
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be at least 1, got {every_n_steps}")
+        unknown = [f for f in fields if f not in LOGGABLE_FIELDS]
+        if unknown:
+            raise ValueError(
+                f"fields {unknown} are not loggable BatchRecord fields ({', '.join(LOGGABLE_FIELDS)})"
+            )
+        import mlflow
+
+        self.every_n_steps = every_n_steps
+        self.fields = tuple(fields)
+        self.prefix = prefix
+        self.rank = current_rank() if rank is None else rank
+        self.all_ranks = all_ranks
+        self.active = all_ranks or self.rank == 0
+        self.suffix = f"/rank{self.rank}" if all_ranks else ""
+        self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
+        self.experiment = experiment
+        self.probe_timeout = probe_timeout
+        self.request_timeout = request_timeout
+        self.process = process
+        self.run_id: str | None = run_id
+        self._run_known = threading.Event()
+        self._owns_run = False  # the delivery side created the run and ends it
+        self._create_run = True  # False: find the run rank 0 creates (all_ranks)
+        self._run_token: str | None = None
+        self._sweep = False  # look for runs left RUNNING by dead trainers
+        self._owner_tags = owner_tags()
+        self._creator_pid = os.getpid()
+        self._started_fluent_run = False  # mlflow.start_run on this thread: close() ends it
+        self._state: dict[str, Any] = {"metrics_logged": 0, "metrics_dropped": 0,
+                                       "metrics_pending": 0, "batch_calls": 0, "healthy": True}
+        self._metrics_refused = 0  # metrics of records the queue refused (full)
+        self._metrics_submitted = 0  # metrics handed to the delivery side
+        self._undelivered: int | None = None  # set by close()
+        self._transport: ThreadTransport | ProcessTransport | None = None
+        self._flush_deadline = 0.0
+        self._close_deadline = 0.0
+        self._flush_ok = True
+        self._jsonl = JsonlLogger(jsonl_path, max_queue=max_queue) if jsonl_path and self.active else None
+        if self.active or _broadcast_needed(all_ranks, run_id):
+            self._resolve_run(tracking_uri, group)
+        if self.run_id is not None:
+            self._run_known.set()
+        if self.active:
+            _LIVE_LOGGERS.add(self)
+            self._start()
+
+    # -- counters -----------------------------------------------------------------------------
+    @property
+    def metrics_logged(self) -> int:
+        return self._state["metrics_logged"]
+
+    @property
+    def metrics_dropped(self) -> int:
+        return self._state["metrics_dropped"]
+
+    @property
+    def batch_calls(self) -> int:
+        return self._state["batch_calls"]
+
+    def counters(self) -> dict[str, int]:
+        """Telemetry health: records dropped, metrics logged, dropped and still pending (as of
+        the last flush/close or delivery report), log_batch calls, and after `close()` the
+        metrics not delivered."""
+        out = {"records_dropped": self.dropped, "metrics_logged": self.metrics_logged,
+               "metrics_dropped": self.metrics_dropped,
+               "metrics_pending": self._state["metrics_pending"], "batch_calls": self.batch_calls}
+        if self._undelivered is not None:
+            out["metrics_undelivered"] = self._undelivered
+        return out
+
+    def wait_run_id(self, timeout: float = 10.0) -> str | None:
+        """The run's id, waiting at most `timeout` seconds for the delivery side to create or
+        find it; None if it is not known by then (the server does not answer) or this rank
+        does not log."""
+        deadline = time.monotonic() + timeout
+        while self.run_id is None and self.active and self._thread.is_alive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wake.set()  # the background thread reads the writer's report when it wakes
+            self._run_known.wait(min(0.05, left))
+        return self.run_id
+
+    # -- run resolution (constructor, training thread: no network) ----------------------------
+    def _resolve_run(self, tracking_uri: str | None, group: Any) -> None:
+        import mlflow
+
+        if self.run_id is None:
+            active = mlflow.active_run()
+            if active is not None and (tracking_uri is None or tracking_uri == mlflow.get_tracking_uri()):
+                self.run_id = active.info.run_id
+        if _broadcast_needed(self.all_ranks, self.run_id):
+            import torch.distributed as dist
+
+            first = rank_and_world()[0] == 0
+            box: list[Any] = [uuid.uuid4().hex if first else None]
+            dist.broadcast_object_list(box, src=0, group=group)
+            self._run_token = box[0]
+            self._create_run = first
+            self._sweep = self._create_run
+            return
+        if self.run_id is None:
+            self._sweep = True
+            if tracking_uri is None and is_local_store(self.tracking_uri):
+                self._start_fluent_run()
+
+    def _start_fluent_run(self) -> None:
+        """Start the run as this thread's active run: a local store, so no network."""
+        import mlflow
+        from mlflow import MlflowClient
+
+        experiment_id = (experiment_id_for(MlflowClient(self.tracking_uri), self.experiment)
+                         if self.experiment is not None else None)
+        run = mlflow.start_run(experiment_id=experiment_id,
+                               tags={"shardloader.telemetry": "1", **self._owner_tags})
+        self._started_fluent_run = True
+        self.run_id = run.info.run_id
+
+    # -- producer side (training thread) ------------------------------------------------------
+    def on_batch(self, record: BatchRecord) -> None:
+        if not self.active:
+            return
+        if self._jsonl is not None:
+            self._jsonl.on_batch(record)
+        if self.every_n_steps > 1 and record.step % self.every_n_steps:
+            return
+        if not self._put(record):
+            self._metrics_refused += len(self.fields)
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int) -> None:
+        if not self.active:
+            return
+        if self._jsonl is not None:
+            self._jsonl.log_metrics(metrics, step)
+        if not self._put(("m", dict(metrics), int(step), int(time.time() * 1000))):
+            self._metrics_refused += _finite_count(metrics)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait (at most `timeout` s) until everything so far is in MLflow; False if not."""
+        if not self.active:
+            return True
+        timeout = self.close_timeout if timeout is None else timeout
+        self._flush_deadline = time.monotonic() + timeout
+        self._flush_ok = False
+        ok = super().flush(timeout)
+        if self._jsonl is not None:
+            self._jsonl.flush(max(0.0, self._flush_deadline - time.monotonic()))
+        return ok and self._flush_ok and self._state["metrics_pending"] == 0
+
+    def close(self, timeout: float | None = None) -> None:
+        """Deliver what is queued, end a run the logger created (FINISHED) and stop, within
+        about `timeout` (default `close_timeout`) seconds whatever the server does. Warns with
+        the number of metrics not delivered, if any."""
+        if self._closed:
+            return
+        _LIVE_LOGGERS.discard(self)
+        timeout = self.close_timeout if timeout is None else timeout
+        self._close_deadline = time.monotonic() + timeout
+        super().close(timeout)
+        stuck = self._thread.is_alive()
+        if self._transport is not None and stuck:
+            self._transport.kill()  # the thread is stuck talking to it: end it
+        if self._jsonl is not None:
+            self._jsonl.close(max(0.1, self._close_deadline - time.monotonic()))
+        if self._started_fluent_run and self._state.get("healthy") and not stuck:
+            import mlflow
+
+            active = mlflow.active_run()
+            if active is not None and active.info.run_id == self.run_id:
+                mlflow.end_run()
+        if self.active:
+            self._report_undelivered(timeout, stuck)
+
+    def _close_gave_up(self, timeout: float) -> None:
+        """The warning comes from close(), with the count of metrics not delivered."""
+
+    def _report_undelivered(self, timeout: float, stuck: bool) -> None:
+        queued = 0
+        for item in self._queued_items():
+            queued += len(self.fields) if isinstance(item, BatchRecord) else _finite_count(item[1])
+        handed = self._metrics_refused + self._metrics_submitted + queued
+        self._undelivered = max(0, handed - self.metrics_logged)
+        if self._undelivered:
+            why = (f"close() gave up after {timeout:.1f} s" if stuck
+                   else "the tracking server did not take them")
+            log.warning(
+                "MLflowLogger: %d of %d metric(s) were not delivered to %s (%s; %d refused "
+                "at a full queue, %d dropped or rejected by the delivery side)",
+                self._undelivered, handed, self.tracking_uri, why, self._metrics_refused,
+                self.metrics_dropped,
+            )
+
+    # -- consumer side (background thread) ----------------------------------------------------
+    def _on_start(self) -> None:
+        self._call("tick")  # starts the delivery side: it creates or finds the run right away
+
+    def _handle(self, items: list[Any]) -> None:
+        fields = self.fields
+        rows: list[tuple[Any, ...]] = []
+        metrics = 0
+        for item in items:
+            if isinstance(item, BatchRecord):
+                rows.append(("b", item.step, int(item.time * 1000),
+                             tuple(getattr(item, name) for name in fields)))
+                metrics += len(fields)
+            else:
+                rows.append(item)
+                metrics += _finite_count(item[1])
+        self._metrics_submitted += metrics
+        self._call("send", rows)
+
+    def _idle(self) -> None:
+        if self._transport is not None:
+            self._call("tick")
+
+    def _at_flush(self) -> None:
+        if self._transport is None:  # nothing was ever sent: nothing to flush
+            self._flush_ok = True
+        elif time.monotonic() < self._flush_deadline:
+            self._flush_ok = self._call("flush", self._flush_deadline)
+
+    def _on_stop(self) -> None:
+        self._call("close", self._close_deadline)
+
+    def _call(self, method: str, *args: Any) -> bool:
+        """Run a transport method, switching to in-thread delivery if the writer process died."""
+        if self._transport is None:
+            self._transport = self._make_transport()
+        try:
+            state = getattr(self._transport, method)(*args)
+        except OSError as exc:
+            if not isinstance(self._transport, ProcessTransport) or self._closed:
+                raise
+            log.warning("MLflowLogger: the writer process is gone (%r); delivering from this "
+                        "process from now on (metrics it held are lost)", exc)
+            self._transport = ThreadTransport(self._delivery_config())
+            state = getattr(self._transport, method)(*args)
+        if state is None:
+            return False
+        self._state.update(state)
+        if state.get("run_id") and self.run_id is None:
+            self.run_id = state["run_id"]
+            self._run_known.set()
+        if state.get("owns_run"):
+            self._owns_run = True
+        return True
+
+    def _delivery_config(self) -> dict[str, Any]:
+        return {
+            "tracking_uri": self.tracking_uri, "run_id": self.run_id,
+            "experiment": self.experiment,
+            "keys": tuple(self.prefix + f + self.suffix for f in self.fields),
+            "suffix": self.suffix, "max_pending": self.max_queue * max(1, len(self.fields)),
+            "probe_timeout": self.probe_timeout, "owns_run": self._owns_run,
+            "create_run": self._create_run, "run_token": self._run_token,
+            "owner_tags": self._owner_tags, "sweep": self._sweep,
+        }
+
+    def _make_transport(self) -> ThreadTransport | ProcessTransport:
+        config = self._delivery_config()
+        if self.process:
+            try:
+                return ProcessTransport(config, self.flush_interval, self.request_timeout)
+            except OSError as exc:
+                log.warning("MLflowLogger: could not start the writer process (%r); "
+                            "delivering from this process", exc)
+        return ThreadTransport(config)
+
+
+def _finite_count(metrics: Mapping[str, Any]) -> int:
+    """How many of `metrics` the delivery side logs (non-finite values are skipped)."""
+    count = 0
+    for value in metrics.values():
+        try:
+            count += math.isfinite(float(value))
+        except (TypeError, ValueError):
+            pass
+    return count
+
+
+# Loggers not closed yet: closed (bounded) at interpreter exit, while their daemon threads
+# still run, so a script that never calls close() still delivers and ends its run. A forked
+# child forgets them: they belong to its parent (their transports are let go of in
+# `transport`).
+_LIVE_LOGGERS: weakref.WeakSet[MLflowLogger] = weakref.WeakSet()
+
+
+def _close_live_loggers() -> None:
+    for logger in list(_LIVE_LOGGERS):
+        if logger._creator_pid == os.getpid():
+            try:
+                logger.close()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                log.exception("MLflowLogger: close at exit failed")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_LIVE_LOGGERS.clear)
+atexit.register(_close_live_loggers)
+
+
+def _broadcast_needed(all_ranks: bool, run_id: str | None) -> bool:
+    if not all_ranks or run_id is not None:
+        return False
+    return process_group_active() and rank_and_world()[1] > 1
