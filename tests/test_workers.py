@@ -40,12 +40,18 @@ def make(dataset_dir, **kw):
 
 
 def test_process_workers_run_at_a_lower_priority_than_the_loader(dataset_dir):
+    """Each worker lowers its own priority first thing; one that has not run yet (a loaded
+    machine) is waited for, up to a deadline, rather than read before it did."""
     loader = make(dataset_dir)
     try:
         next(iter(loader))
         mine = os.getpriority(os.PRIO_PROCESS, 0)
-        for pid in loader._pool.pids():
-            assert os.getpriority(os.PRIO_PROCESS, pid) > mine
+        pids = loader._pool.pids()
+        assert len(pids) == loader.num_workers
+        deadline = time.monotonic() + 30
+        while (higher := [os.getpriority(os.PRIO_PROCESS, pid) > mine for pid in pids]) != [True] * len(pids):
+            assert time.monotonic() < deadline, f"workers' priorities {higher} vs the loader's {mine}"
+            time.sleep(0.01)
     finally:
         loader.close()
 
