@@ -15,7 +15,8 @@ file is what the index describes and reading goes on, or the read is a ShardErro
 A Dataset asks its source only what `shardloader.source.protocol.ShardSource` declares (local
 and remote sources inherit its null defaults for what they lack), and a Loader asks a Dataset
 only what `shardloader.loader.protocol.LoaderDataset` declares: `index`, `source`, `len`,
-`get_many`, `shard_wait_seconds`, `check_capacity`, `prime` and `close`, all implemented here.
+`get_many`, `shard_wait_seconds`, `check_capacity`, `prime`, `warm_up` and `close`, all
+implemented here.
 """
 
 from __future__ import annotations
