@@ -104,7 +104,7 @@ def epoch(url: str, options: dict, cache: str, *, prefetch: bool, args: argparse
     ds = Dataset(url, cache_dir=cache, cache_limit=args.cache_limit, storage_options=options)
     ds.source.prefetch = prefetch
     loader = Loader(ds, batch_size=args.batch, seed=0, num_workers=args.workers, transform=to_tensor,
-                    rank=rank, world_size=world, shuffle=True, persistent_workers=True)
+                    rank=rank, world_size=world, shuffle=True, persistent_workers=args.workers > 0)
     first = None
     samples = 0
     for batch in loader:

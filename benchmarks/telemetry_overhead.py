@@ -77,7 +77,7 @@ def one_epoch(path: str, mode: str, tracking_uri: str, tmp: str, workers: int,
         sink = JsonlLogger(os.path.join(tmp, f"t-{time.monotonic_ns()}.jsonl"))
     construct = time.perf_counter() - construct if sink is not None else 0.0
     loader = Loader(Dataset(path), batch, num_workers=workers, seed=1, telemetry=sink,
-                    worker_type="process", shuffle=True, persistent_workers=True)
+                    worker_type="process", shuffle=True, persistent_workers=workers > 0)
     iterator = iter(loader)
     next(iterator)  # workers started, first shard open: not what we measure
     if sink is not None:

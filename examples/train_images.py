@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     loader = Loader(Dataset(args.data), batch_size=args.batch_size, seed=args.seed,
                     num_workers=args.workers, worker_type=args.worker_type, transform=transform,
                     transform_version=transform_version(transform), telemetry=telemetry,
-                    shuffle=True, tail="pad", persistent_workers=True)  # equal steps on every rank
+                    shuffle=True, tail="pad", persistent_workers=args.workers > 0)  # equal steps on every rank
     model = SmallResNet()
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)

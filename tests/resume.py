@@ -14,8 +14,9 @@ of all segments must equal the reference exactly: same samples, same order, same
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,20 +71,29 @@ def _freeze(name: str, value: Any, fields: list[tuple[str, str, tuple[int, ...],
         fields.append((name, type(value).__name__, (), repr(value).encode()))
 
 
-def take(loader: Any, count: int) -> list[RecordedBatch]:
-    """Consume `count` batches, crossing epoch boundaries by re-iterating the loader."""
-    out: list[RecordedBatch] = []
-    while len(out) < count:
+def stream(loader: Any) -> Iterator[RecordedBatch]:
+    """The loader's batches, recorded, crossing epoch boundaries by iterating it again when a
+    pass ends. Taking from one stream continues where the last take stopped (a new `iter()`
+    would start the epoch over, as DataLoader's does).
+
+    One pass may yield nothing: the first after loading a state saved on an epoch's last batch
+    (that epoch's loop is empty, then the next epoch starts). Two empty passes in a row fail."""
+    empty_passes = 0
+    while True:
         received = 0
         for batch in loader:
             has_index = isinstance(batch, dict) and "__index__" in batch
-            out.append(record(batch, None if has_index else loader.last_indices))
+            yield record(batch, None if has_index else loader.last_indices)
             received += 1
-            if len(out) == count:
-                break
-        if received == 0:
-            raise AssertionError(f"loader produced no batch after {len(out)} of {count}")
-    return out
+        empty_passes = empty_passes + 1 if received == 0 else 0
+        if empty_passes > 1:
+            raise AssertionError("loader produced no batch in two passes in a row")
+
+
+def take(loader: Any, count: int) -> list[RecordedBatch]:
+    """Consume `count` batches of a new iteration (see `stream`), stopping right after the last
+    one (the loop over its epoch is left, as a `break` leaves it)."""
+    return list(itertools.islice(stream(loader), count))
 
 
 def plain_state(state: dict[str, Any]) -> dict[str, Any]:

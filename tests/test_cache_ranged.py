@@ -5,6 +5,7 @@ a clear error naming the shard, never wrong rows."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import threading
@@ -20,7 +21,7 @@ from shardloader.errors import ChecksumMismatch, FetchError
 from shardloader.ingest.indexer import index_dataset
 from shardloader.ingest.writer import write_shards
 from tests.proctree import answer_from_fork
-from tests.resume import assert_exact_resume, take
+from tests.resume import assert_exact_resume, stream, take
 from tests.sample_transforms import make_samples, noisy_crop
 
 SAMPLES = [3, 200, 41, 42, 399, 0, 250, 41]  # several shards, repeats, both ends
@@ -121,14 +122,16 @@ def test_first_batch_completes_before_its_shards_are_downloaded(arrow_dir, s3_se
     proxy = fault_proxy(s3_server.endpoint, _hold_whole_downloads(index, release, held))
     cache = str(tmp_path / "cache")
     loader = make(s3_url(arrow_dir), cache, s3_server.storage_options(proxy.url))
+    batches = stream(loader)
     try:
-        first = take(loader, 1)
+        first = list(itertools.islice(batches, 1))
         # The first batch is out while every whole-shard GET is held: it read its rows by range.
         assert not release.is_set() and _cached_shards(cache) == []
         assert first == reference[:1]
     finally:
         release.set()
-    rest = take(loader, 25)
+    rest = list(itertools.islice(batches, 25))
+    del batches
     loader.close()
     assert first + rest == reference
     assert held  # the prefetcher did ask for whole shards, and was held until released
@@ -278,7 +281,7 @@ def test_primed_rows_are_read_by_a_forked_worker_without_a_request(arrow_dir, s3
 
 
 def test_a_changed_object_is_refused_by_the_loaders_workers(arrow_dir, s3_server, s3_url, tmp_path):
-    from shardloader.errors import WorkerError
+    from shardloader.errors import ChecksumMismatch
 
     url = s3_url(arrow_dir)
     index = Dataset(arrow_dir).index
@@ -287,8 +290,10 @@ def test_a_changed_object_is_refused_by_the_loaders_workers(arrow_dir, s3_server
     ds = Dataset(url, cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
                  storage_options=s3_server.storage_options())
     loader = Loader(ds, batch_size=16, seed=3, shuffle=True, num_workers=2, partitions=4, window=2)
-    with pytest.raises(WorkerError, match=rf"ChecksumMismatch: {url}/shard-\d+\.arrow: bytes \d+-\d+ "
-                                          r"read by range do not match .*changed after indexing"):
+    # the dataset's own error type, raised in the worker and rebuilt here with its traceback
+    with pytest.raises(ChecksumMismatch, match=rf"(?s)Caught ChecksumMismatch in shardloader worker .*"
+                                               rf"{url}/shard-\d+\.arrow: bytes \d+-\d+ "
+                                               r"read by range do not match .*changed after indexing"):
         take(loader, 1)
     loader.close()
     assert _cached_shards(str(tmp_path / "cache")) == []  # nothing unverified entered the cache

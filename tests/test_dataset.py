@@ -120,3 +120,14 @@ def test_index_without_samples_is_an_error_not_zero_batches(parquet_dataset, tmp
     index_dataset(str(root))
     with pytest.raises(DatasetIndexError, match=rf"{root}: the index lists no samples \(1 shards"):
         Dataset(root)
+
+
+def test_is_a_whole_loader_dataset(arrow_dataset):
+    """A Dataset offers every member of the Loader's protocol itself: one missing would make the
+    Loader read it through `CoreOnly`, whose null defaults would silently skip its cache
+    priming, capacity check and reader closing."""
+    from shardloader.loader.protocol import CoreOnly, LoaderDataset, as_native_dataset
+
+    dataset = Dataset(arrow_dataset)
+    assert isinstance(dataset, LoaderDataset)
+    assert as_native_dataset(dataset) is dataset and not isinstance(as_native_dataset(dataset), CoreOnly)

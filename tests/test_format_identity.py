@@ -52,7 +52,8 @@ def small_dataset(tmp_path_factory):
 
 def _loader(root: str, num_workers: int, transform: Any = None) -> Loader:
     return Loader(Dataset(root, max_open_shards=1), batch_size=BATCH, shuffle=True, seed=3, window=2,
-                  partitions=1, num_workers=num_workers, prefetch_factor=2, transform=transform)
+                  partitions=1, num_workers=num_workers, prefetch_factor=2 if num_workers else None,
+                  transform=transform)
 
 
 class _Gate:

@@ -31,8 +31,9 @@ def dataset_dir(tmp_path_factory):
 def make(dataset_dir, **kw):
     # The defaults these tests were written for (before DataLoader's became the defaults).
     args = dict(batch_size=8, seed=5, transform=noisy_crop, partitions=4, window=2,
-                shuffle=True, tail="pad", persistent_workers=True)
+                shuffle=True, tail="pad")
     args.update(kw)
+    args.setdefault("persistent_workers", args.get("num_workers", 0) > 0)  # DataLoader: needs workers
     return Loader(Dataset(dataset_dir), **args)
 
 
@@ -203,20 +204,45 @@ def test_killed_worker_is_a_clear_error_not_a_hang(dataset_dir):
     with pytest.raises(WorkerError, match="SIGKILL"):
         for _ in range(len(loader)):
             next(iterator)
-    # the loader recovers: a new iteration starts fresh workers at the consumed position
-    position = loader.state_dict()["position"]
+    # the iterator cannot go on, and says so (never a silent end of the epoch)
+    with pytest.raises(RuntimeError, match="cannot go on: WorkerError"):
+        next(iterator)
+    # the loader recovers: a new iteration starts fresh workers at the epoch's start
     batch = next(iter(loader))
-    assert batch["__index__"].tolist() == loader.step_samples(0, position // 8).tolist()
+    assert batch["__index__"].tolist() == loader.step_samples(0, 0).tolist()
     loader.close()
 
 
-def test_transform_error_names_the_batch(dataset_dir):
-    def broken(sample):
-        raise ValueError("bad pixels")
+class BadPixels(ValueError):
+    """A dataset's own error type (the Loader must raise it, not a wrapper)."""
 
-    loader = make(dataset_dir, transform=broken, num_workers=1)
-    with pytest.raises(WorkerError, match="bad pixels"):
-        next(iter(loader))
+
+@pytest.mark.parametrize("workers,kind", [(0, "process"), (2, "process"), (2, "thread")])
+def test_a_failing_sample_fails_its_batch_only(dataset_dir, workers, kind):
+    """As with DataLoader: next() raises the transform's own exception type for the batch that
+    needed the failing sample, naming the batch and the sample; that batch counts as consumed
+    and the same iterator goes on with exactly the batches of a run without the failure."""
+    reference = take(make(dataset_dir, tail="partial"), 51)
+    bad = int(reference[3].indices[2])
+
+    def picky(sample, generator):
+        if sample["__index__"] == bad:
+            raise BadPixels(f"bad pixels in sample {bad}")
+        return noisy_crop(sample, generator=generator)
+
+    loader = make(dataset_dir, tail="partial", transform=picky, transform_version="noisy",
+                  num_workers=workers, worker_type=kind)
+    iterator = iter(loader)
+    got = [record(next(iterator)) for _ in range(3)]
+    with pytest.raises(BadPixels, match=rf"bad pixels in sample {bad}") as raised:
+        next(iterator)
+    where = f"batch 3 of epoch 0 (sample {bad})"
+    shown = str(raised.value) + "".join(getattr(raised.value, "__notes__", []))
+    assert where in shown
+    assert loader.state_dict()["position"] == 4 * 8  # the failed batch is consumed
+    got += [record(batch) for batch in iterator]
+    assert got == reference[:3] + reference[4:]
+    assert loader.epoch == 1  # the epoch ended normally
     loader.close()
 
 
@@ -336,7 +362,7 @@ def test_direct_batch_path_gives_the_general_paths_batches(image_dir, workers, k
     def loader(**kw):
         transform = Compose([DecodeCropFlip(20), ToTensor()]) if chw else DecodeCropFlip(20)
         return Loader(Dataset(image_dir), batch_size=16, seed=4, shuffle=True,
-                      transform=transform, persistent_workers=True, **kw)
+                      transform=transform, persistent_workers=kw.get("num_workers", 0) > 0, **kw)
 
     reference = loader(collate_fn=general_collate)
     expected = take(reference, 12)  # 6 batches per epoch: two epochs
@@ -365,4 +391,19 @@ def test_a_state_saved_with_the_k_area_antialias_resumes_only_into_it(image_dir)
         loader().load_state_dict(state)
     resumed = loader(antialias_method="k-area")
     resumed.load_state_dict(state)
-    assert take(resumed, 3) == take(old, 3)
+    assert take(resumed, 3) == take(loader(antialias_method="k-area"), 5)[2:]
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_len_is_what_a_pass_yields_on_every_rank_with_a_partial_tail(rank):
+    """19 samples, 3 ranks of batch 2 (global 6): the last global batch has 1 sample, so ranks 1
+    and 2 get none of it and one batch less. len(), the batch sampler and a pass agree on each rank;
+    the ranks' samples together are the epoch, each once."""
+    loader = Loader(list(range(19)), batch_size=2, rank=rank, world_size=3, tail="partial")
+    batches = [batch.tolist() for batch in loader]
+    assert len(loader) == len(batches) == len(loader.batch_sampler) == (4 if rank == 0 else 3)
+    assert list(loader.batch_sampler) == batches
+    everyone = sorted(sum((sum([b.tolist() for b in Loader(list(range(19)), batch_size=2, rank=r,
+                                                           world_size=3, tail="partial")], [])
+                           for r in range(3)), []))
+    assert everyone == list(range(19))  # a set check: which rank reads what is the order's business

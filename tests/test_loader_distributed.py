@@ -80,3 +80,19 @@ def test_resume_with_another_world_size(tmp_path, dataset_dir, before, after):
     resumed = _global_sequence(first, before) + _global_sequence(second, after)
     assert [i for i, _ in resumed] == [i for i, _ in reference]
     assert resumed == reference
+
+
+def test_a_loader_made_before_the_process_group_refuses_to_iterate(tmp_path):
+    """Made before init_process_group, a Loader takes rank 0 of 1; iterating it once a group of
+    two is active would give every rank every sample. It refuses, saying how to fix it."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT])}
+    store = str(tmp_path / "store")
+    ranks = [subprocess.Popen([sys.executable, "-m", "tests.dist.early_loader", str(r), store],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    outputs = [p.communicate(timeout=120) for p in ranks]
+    for proc, (out, err) in zip(ranks, outputs):
+        assert proc.returncode == 0, err[-2000:]
+        assert out.startswith("REFUSED this Loader was made for rank 0 of 1, but torch.distributed "
+                              "now runs rank"), out + err[-2000:]
+        assert "rank= and world_size=" in out

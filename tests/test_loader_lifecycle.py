@@ -107,27 +107,53 @@ def test_resume_matrix_with_process_workers(dataset_dir, reference):
                                        lambda saved, _l: saved, reference=reference)
 
 
-def test_loader_epoch_is_the_epoch_to_run_next(dataset_dir):
+def test_loader_epoch_advances_when_the_iteration_ends(dataset_dir):
+    """loader.epoch is the cursor's epoch: still e after epoch e's last batch was handed out,
+    e + 1 once the loop over it ended (StopIteration). A state saved on the last batch is
+    epoch e at its end, and a loader restored from it is there too."""
     loader = make(dataset_dir)
     assert loader.epoch == 0
-    take(loader, 3)
-    assert loader.epoch == 0
-    take(loader, STEPS - 3)  # the last batch of epoch 0
-    assert loader.epoch == 1 and loader.state_dict()["epoch"] == 0
+    take(loader, STEPS)  # breaks right after the last batch of epoch 0
+    assert loader.epoch == 0 and loader.state_dict()["epoch"] == 0
     state = loader.state_dict()
     fresh = make(dataset_dir)
     fresh.load_state_dict(state)
-    assert fresh.epoch == 1 and fresh.step == STEPS
+    assert fresh.epoch == 0 and fresh.step == STEPS
+    assert list(fresh) == [] and fresh.epoch == 1  # epoch 0's loop is empty, then it has ended
+    assert len(list(loader)) == STEPS and loader.epoch == 1  # a full pass ends the epoch
 
 
-def test_set_epoch_at_an_epochs_end_holds_it(dataset_dir):
-    """After epoch e's last batch, set_epoch(e) keeps the loader in e: iterating yields nothing,
-    and then the next epoch runs; without set_epoch, iterating again starts the next epoch."""
+def test_an_epochs_end_state_resumes_into_that_epoch(dataset_dir):
+    """Saved on epoch e's last batch and restored: epoch e's loop yields nothing (the user's
+    epoch-end work runs, as in the uninterrupted run), then epoch e + 1 runs from its start;
+    set_epoch(e + 1) straight away is allowed too and gives the same batches."""
     loader = make(dataset_dir)
     take(loader, STEPS)
-    loader.set_epoch(0)
-    assert list(loader) == []
-    assert [b["__index__"].tolist() for b in loader][:1] == [loader.step_samples(1, 0).tolist()]
+    state = loader.state_dict()
+    expected = [loader.step_samples(1, s).tolist() for s in range(STEPS)]
+    for skip_empty_epoch in (False, True):
+        fresh = make(dataset_dir)
+        fresh.load_state_dict(state)
+        ran_epoch_end = []
+        for epoch in range(1 if skip_empty_epoch else 0, 2):
+            fresh.set_epoch(epoch)
+            got = [b["__index__"].tolist() for b in fresh]
+            ran_epoch_end.append(epoch)
+        assert got == expected
+        assert ran_epoch_end == ([1] if skip_empty_epoch else [0, 1])
+
+
+def test_a_break_then_iterating_again_restarts_the_epoch(dataset_dir):
+    """As with DataLoader: a new iter() starts the epoch from its beginning, whether the last
+    loop broke off mid-epoch or right after the last batch (before the loop ended)."""
+    loader = make(dataset_dir)
+    first = [loader.step_samples(0, s).tolist() for s in range(STEPS)]
+    take(loader, 3)
+    assert [b["__index__"].tolist() for b in loader] == first
+    take(loader, STEPS)  # epoch 1, broken off after its last batch
+    assert loader.epoch == 1
+    assert [b["__index__"].tolist() for b in loader] == [loader.step_samples(1, s).tolist()
+                                                         for s in range(STEPS)]
 
 
 def test_force_moves_anyway(dataset_dir):
@@ -171,8 +197,9 @@ def test_close_is_bounded_and_idempotent_with_a_stuck_worker(dataset_dir, worker
     _ENTERED.clear()
     loader = make(dataset_dir, num_workers=2, worker_type=worker_type, transform=_stuck, timeout=0.5)
     try:
+        pool = loader._workers.get()  # started now (iterators start theirs at the first next())
+        pids = list(pool.pids()) if worker_type == "process" else []
         iterator = iter(loader)
-        pids = list(loader._pool.pids()) if worker_type == "process" else []
         with pytest.raises(WorkerError, match="timeout"):
             next(iterator)
         started = time.monotonic()

@@ -222,7 +222,7 @@ def test_unsupported_dataloader_arguments_say_what_to_use(argument, advice):
 def test_dataloader_argument_values_that_mean_the_default_are_accepted():
     loader = Loader(Pairs(), batch_size=16, shuffle=None, timeout=0, prefetch_factor=None,
                     pin_memory_device="", in_order=True, sampler=None)
-    assert loader.settings.shuffle is False and loader.prefetch_factor == 2 and loader._timeout is None
+    assert loader.settings.shuffle is False and loader.prefetch_factor is None and loader.timeout == 0
 
 
 def test_not_map_style_is_a_clear_error():

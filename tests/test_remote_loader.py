@@ -26,8 +26,9 @@ def dataset_dir(tmp_path_factory):
 
 def loader(url, cache=None, *, limit="100MB", storage_options=None, max_open_shards=16, **kw):
     args = dict(batch_size=8, seed=5, transform=noisy_crop, partitions=4, window=2,
-                shuffle=True, tail="pad", persistent_workers=True)
+                shuffle=True, tail="pad")
     args.update(kw)
+    args.setdefault("persistent_workers", args.get("num_workers", 0) > 0)  # DataLoader: needs workers
     ds = Dataset(url, cache_dir=None if cache is None else str(cache), cache_limit=limit,
                  storage_options=storage_options, max_open_shards=max_open_shards)
     return Loader(ds, **args)

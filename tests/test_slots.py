@@ -157,11 +157,13 @@ def test_a_tensor_built_in_a_slot_travels_without_a_copy_and_exactly(pair, monke
     writer, reader = pair
     batch, expected = _built_in_slot(writer)
     copied = []
-    real = slots._bytes_of
-    monkeypatch.setattr(slots, "_bytes_of", lambda t: (copied.append(t.shape), real(t))[1])
+    real = slots._storage_bytes
+    monkeypatch.setattr(slots, "_storage_bytes", lambda s: (copied.append(s.data_ptr()), real(s))[1])
     packed = writer.pack(batch)
-    assert packed.layout[0] == (0, (4, 6, 5, 3), torch.uint8)  # where it was built: offset 0
-    assert (4, 6, 5, 3) not in copied and copied  # the other tensors were copied in after it
+    assert packed.layout[0] == (0, 0, (4, 6, 5, 3), (90, 15, 3, 1), torch.uint8)  # span 0 ...
+    assert packed.spans[0] == (0, 4 * 6 * 5 * 3)  # ... where it was built: offset 0
+    built_on = batch["image"].untyped_storage().data_ptr()
+    assert built_on not in copied and copied  # the other tensors were copied in after it
     monkeypatch.undo()
     assert_identical(reader.unpack(0, packed, wanted=True), expected)
     reader.give_back_freed()
@@ -195,3 +197,100 @@ def test_a_slot_too_small_for_the_rest_of_the_batch_falls_back_to_copying(pair):
     packed = writer.pack({"image": images, "big": big})
     out = reader.unpack(0, packed, wanted=True)
     assert torch.equal(out["image"], torch.arange(16, dtype=torch.uint8)) and torch.equal(out["big"], big)
+
+
+def _storage_numbers(tensors):
+    """For each tensor, which of the given tensors' storages it is on (numbered in order)."""
+    seen: dict[int, int] = {}
+    return [seen.setdefault(t.untyped_storage().data_ptr(), len(seen)) for t in tensors]
+
+
+def test_views_of_one_storage_come_back_as_views_of_one_storage(pair):
+    """Strides, relative offsets and shared storages survive; one span carries the storage."""
+    writer, reader = pair
+    base = torch.arange(24, dtype=torch.float32).view(4, 6)
+    batch = [base, base[1], base.t(), base[:, ::2], base.view(torch.uint8), base[2:, 3:].expand(2, 2, 3),
+             torch.arange(5)]
+    packed = writer.pack(batch)
+    assert len(packed.spans) == 2  # base's storage once, and arange(5)'s
+    out = reader.unpack(0, packed, wanted=True)
+    assert_identical(out, batch)
+    assert [t.stride() for t in out] == [t.stride() for t in batch]
+    assert [t.storage_offset() for t in out] == [t.storage_offset() for t in batch]
+    assert _storage_numbers(out) == _storage_numbers(batch) == [0, 0, 0, 0, 0, 0, 1]
+    out[0][1, 0] = -1.0  # a view of one storage, as in the worker
+    assert out[1][0] == -1.0 and out[2][0, 1] == -1.0
+
+
+def test_far_apart_views_of_a_large_storage_travel_compact(pair):
+    """Rows picked from a large tensor (a dataset's, say) do not send the storage between them:
+    rows far apart go on their own, rows close together share one span, one column is made
+    contiguous; the values are exact."""
+    writer, reader = pair
+    table = torch.arange(4096 * 64, dtype=torch.int64).view(4096, 64)  # 2 MiB
+    batch = {"far": table[4000], "column": table[:, 5], "near": [table[10], table[11], table[3]]}
+    packed = writer.pack(batch)
+    assert sum(nbytes for _, nbytes in packed.spans) < 64 << 10
+    out = reader.unpack(0, packed, wanted=True)
+    assert_identical(out, batch)
+    assert out["column"].is_contiguous()
+    assert _storage_numbers([*out["near"], out["far"], out["column"]]) == [0, 0, 0, 1, 2]
+
+
+Pair = __import__("collections").namedtuple("Pair", "left right")
+
+
+def test_namedtuples_ordered_and_default_dicts_are_walked_and_keep_their_types(pair):
+    import collections
+
+    writer, reader = pair
+    counts = collections.defaultdict(list, {"x": [torch.ones(3)]})
+    batch = {"pair": Pair(torch.arange(3), [Pair(torch.zeros(2), "s")]),
+             "ordered": collections.OrderedDict(b=torch.ones(1), a=torch.tensor(True)),
+             "counts": counts, "deep": [[[(torch.tensor([1 + 2j]),)]]]}
+    packed = writer.pack(batch)
+    assert len(packed.layout) == 6  # every tensor went through the slot, none was pickled
+    out = reader.unpack(0, packed, wanted=True)
+    assert_identical(out, batch)
+    assert type(out["pair"]) is Pair and type(out["pair"].right[0]) is Pair
+    assert out["counts"].default_factory is list
+
+
+def test_what_the_slots_cannot_take_apart_travels_whole(pair):
+    """A structure that holds itself cannot be walked: it travels pickled as it is. Tensors the
+    slots do not carry (nested, needing grad, a subclass) stay in the structure."""
+    writer, reader = pair
+    loop: list = [torch.ones(2)]
+    loop.append(loop)
+    packed = writer.pack(loop)
+    assert packed.slot is None and packed.structure is loop
+    odd = {"nested": torch.nested.nested_tensor([torch.ones(1), torch.ones(2)]),
+           "grad": torch.ones(2, requires_grad=True), "plain": torch.arange(3),
+           "parameter": torch.nn.Parameter(torch.ones(2))}
+    packed = writer.pack(odd)
+    assert len(packed.layout) == 1  # only "plain"
+    for name in ("nested", "grad", "parameter"):
+        assert packed.structure[name] is odd[name]
+    assert torch.equal(reader.unpack(0, packed, wanted=True)["plain"], torch.arange(3))
+
+
+def test_a_batch_of_zero_size_tensors_needs_no_slot(pair):
+    writer, reader = pair
+    batch = (torch.zeros(0, 3), torch.zeros(3, 0).t(), torch.zeros(0, dtype=torch.bool))
+    packed = writer.pack(batch)
+    assert packed.slot is None and len(packed.layout) == 3
+    out = reader.unpack(0, packed, wanted=True)
+    assert_identical(out, batch)
+    assert [t.stride() for t in out] == [t.stride() for t in batch]
+
+
+def test_a_batch_that_was_not_sent_gives_its_slot_back(pair):
+    """`unsent`: the batch's slot is free again, and the slot made for it reaches the reader with
+    the next batch (which reuses it)."""
+    writer, reader = pair
+    lost = writer.pack({"x": torch.ones(4)})
+    assert lost.new_slots
+    writer.unsent(lost)
+    packed = writer.pack({"x": torch.full((4,), 2.0)})
+    assert packed.slot == lost.slot and set(lost.new_slots) <= set(packed.new_slots)
+    assert torch.equal(reader.unpack(0, packed, wanted=True)["x"], torch.full((4,), 2.0))

@@ -48,3 +48,7 @@ class WorkerError(ShardloaderError):
 class CheckpointError(ShardloaderError):
     """A checkpoint could not be written, or does not verify."""
 
+
+
+class DatasetChangedError(ShardloaderError, RuntimeError):
+    """A dataset's length changed under a Loader made for another length."""

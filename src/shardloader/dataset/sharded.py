@@ -373,6 +373,11 @@ class Dataset:
         if self.source.reads_in_place and len(self):
             self.get_many(np.zeros(1, dtype=np.int64))  # workers reopen their own readers
 
+    def check_length(self) -> None:
+        """Nothing to check: the index fixes the shards and their sample counts (a shard
+        changed on disk is refused when it is read: ShardChangedError)."""
+        return None
+
     def close(self) -> None:
         """Close every open reader of this process."""
         with self._readers_lock:

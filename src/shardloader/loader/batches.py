@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from shardloader.loader.collate import collate
+from shardloader.loader.failures import SampleFailed
 from shardloader.loader.protocol import KeyedReads, LoaderDataset
 from shardloader.order.seeding import GlobalRngScope, sample_keys
 from shardloader.runtime.startup import paused_gc
@@ -116,11 +117,16 @@ class BatchProducer:
             if self.plan is None:
                 raise ValueError(f"batch task {task.task_id} has no samples and the producer no StepPlan")
             samples = self.plan.samples(task.epoch, task.step)
-        if self._keyed is not None:
-            records = self._keyed.read_keyed(samples, sample_keys(self.seed, task.epoch, samples),
-                                             _GLOBAL_RNG_LOCK)
-        else:
-            records = self.dataset.get_many(samples)
+        try:
+            if self._keyed is not None:
+                records = self._keyed.read_keyed(samples, sample_keys(self.seed, task.epoch, samples),
+                                                 _GLOBAL_RNG_LOCK)
+            else:
+                records = self.dataset.get_many(samples)
+        except SampleFailed:
+            raise
+        except Exception as e:  # noqa: BLE001 - a read of several samples (a shard's rows)
+            raise SampleFailed(e, None) from None
         t1 = time.perf_counter()
         # Waiting for shard files (a download, another process's download, verification) is
         # measured by this thread alone, so prefetch threads' downloads never inflate it.
@@ -201,11 +207,14 @@ class BatchProducer:
         generator = torch.Generator()
         for i, (record, key) in enumerate(zip(records, keys)):
             generator.manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
-            if hwc is None:
-                transform.into(record, array[i], generator, scratch)
-            else:  # ToTensor: HWC -> CHW, the copy its permute().contiguous() makes
-                transform.into(record, hwc, generator, scratch)
-                np.copyto(array[i], hwc.transpose(2, 0, 1))
+            try:
+                if hwc is None:
+                    transform.into(record, array[i], generator, scratch)
+                else:  # ToTensor: HWC -> CHW, the copy its permute().contiguous() makes
+                    transform.into(record, hwc, generator, scratch)
+                    np.copyto(array[i], hwc.transpose(2, 0, 1))
+            except Exception as e:  # noqa: BLE001 - reported for this sample
+                raise SampleFailed(e, int(samples[i])) from None
         out = transform.out
         fields = list(first) + ([] if out in first else [out])
         return {name: images if name == out else self.collate_fn([r[name] for r in records])
@@ -222,14 +231,17 @@ class BatchProducer:
         # Global RNGs are process-wide: worker threads must take turns seeding and using them.
         with _GLOBAL_RNG_LOCK if self._seed_globals else _NoScope(), \
                 GlobalRngScope() if self._seed_globals else _NoScope() as scope:
-            for record, key in zip(records, keys):
+            for i, (record, key) in enumerate(zip(records, keys)):
                 if self._seed_globals:
                     scope.seed(key)
-                if generator is not None:
-                    generator.manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
-                    result = transform(record, generator=generator)
-                else:
-                    result = transform(record)
+                try:
+                    if generator is not None:
+                        generator.manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
+                        result = transform(record, generator=generator)
+                    else:
+                        result = transform(record)
+                except Exception as e:  # noqa: BLE001 - reported for this sample
+                    raise SampleFailed(e, int(samples[i])) from None
                 if isinstance(result, dict):  # keep the bookkeeping fields through the transform
                     for name in ("__index__", "__key__"):
                         if name in record and name not in result:

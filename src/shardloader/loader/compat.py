@@ -8,6 +8,10 @@ instead: silently ignoring it would change which samples a run sees.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
+import os
+import warnings
 from typing import Any
 
 from shardloader.order.partition import check_tail
@@ -86,4 +90,77 @@ def check_worker_init(worker_init_fn: Any, num_workers: int, worker_type: str) -
         raise ValueError(
             "worker_init_fn runs once in each worker process; thread workers share this "
             "process, so call it yourself before iterating, or use worker_type='process'"
+        )
+
+
+def check_worker_arguments(*, num_workers: Any, timeout: Any, prefetch_factor: Any,
+                           persistent_workers: bool, worker_type: str) -> int | None:
+    """Refuse the worker settings DataLoader refuses, with its exception types; the prefetch
+    factor as DataLoader keeps it (None without workers, 2 by default with them)."""
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool):
+        raise TypeError(f"num_workers must be an integer, got {num_workers!r}")
+    if num_workers < 0:
+        raise ValueError("num_workers option should be non-negative; use num_workers=0 to load in "
+                         f"the training process (got num_workers={num_workers})")
+    if timeout is not None and timeout < 0:
+        raise ValueError(f"timeout option should be non-negative, got timeout={timeout!r}")
+    if worker_type not in ("process", "thread"):
+        raise ValueError(f"worker_type must be 'process' or 'thread', got {worker_type!r}")
+    if num_workers == 0 and prefetch_factor is not None:
+        raise ValueError(
+            "prefetch_factor needs workers: it is how many batches each worker prepares ahead. "
+            "Pass num_workers > 0, or leave prefetch_factor as None (as DataLoader requires)"
+        )
+    if persistent_workers and num_workers == 0:
+        raise ValueError("persistent_workers option needs num_workers > 0 (workers to keep)")
+    if num_workers > 0 and prefetch_factor is None:
+        return 2
+    if prefetch_factor is not None and (not isinstance(prefetch_factor, int) or prefetch_factor < 1):
+        raise ValueError(f"prefetch_factor must be a positive integer, got {prefetch_factor!r}")
+    return prefetch_factor
+
+
+def resolve_context(context: Any, *, num_workers: int, worker_type: str) -> tuple[Any, str | None]:
+    """(the multiprocessing context, its start method) for `multiprocessing_context=`: None or
+    a start method's name ("fork", "spawn", "forkserver") or a context object, as DataLoader
+    takes it. Refused at construction, with DataLoader's exception types, where it would fail
+    or be ignored later: an unknown name, another kind of object, or no worker processes."""
+    if context is None:
+        return None, None
+    if num_workers == 0 or worker_type != "process":
+        raise ValueError(
+            "multiprocessing_context can only be used with worker processes (num_workers > 0, "
+            f"worker_type='process'), but got num_workers={num_workers}, worker_type={worker_type!r}"
+        )
+    if isinstance(context, str):
+        methods = multiprocessing.get_all_start_methods()
+        if context not in methods:
+            raise ValueError(f"multiprocessing_context option should specify a valid start method "
+                             f"in {methods!r}, but got multiprocessing_context={context!r}")
+        context = multiprocessing.get_context(context)
+    if not isinstance(context, multiprocessing.context.BaseContext):
+        raise TypeError(
+            "multiprocessing_context option should be a valid context object or a string naming "
+            f"a start method (one of {multiprocessing.get_all_start_methods()!r}), but got "
+            f"multiprocessing_context={context!r}"
+        )
+    return context, context.get_start_method()
+
+
+def warn_worker_count(num_workers: int, worker_type: str) -> None:
+    """Warn, as DataLoader does, when more worker processes are asked for than this process may
+    use CPUs: they then take turns on the cores, and each costs its memory."""
+    if num_workers == 0 or worker_type != "process":
+        return
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 0
+    if cpus and num_workers > cpus:
+        warnings.warn(
+            f"This Loader will create {num_workers} worker processes, and this process may use "
+            f"{cpus} CPUs: the workers will take turns on them, each with its own memory. "
+            f"num_workers={cpus} or fewer is the most that can run at once; lower it unless the "
+            f"workers mostly wait on I/O.",
+            UserWarning, stacklevel=4,  # the caller of Loader(...), past __init__ and gc_paused
         )

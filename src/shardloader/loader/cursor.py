@@ -1,10 +1,20 @@
-"""`Cursor`: where a Loader is — the epoch, the global positions consumed in it, and the flags
-of the epoch contract (see `Loader`) — the one thing an epoch iterator advances.
+"""`Cursor`: where a Loader is — the epoch, the global positions consumed in it, and whether it
+was just restored — the one thing an epoch iterator advances.
 
 The cursor is the Loader's whole resumable state (`state_dict()` is its epoch and position
-plus the fingerprint). Its `generation` changes whenever the cursor is moved from outside an
-iteration (`set_epoch`, `load_state_dict`, a new `iter()`, `close()`), which makes every
-iterator handed out before it stale.
+plus the fingerprint). The epoch contract it keeps (see `Loader`):
+
+- a new iteration starts the cursor's epoch from its beginning (`start_iteration`), except the
+  first one after `restore`, which continues at the restored position;
+- delivering a batch advances the position (`advance`); the epoch itself advances only when
+  an iteration over it ends (`finish_epoch`, on StopIteration), so a state saved on an
+  epoch's last batch is still that epoch, at its end.
+
+Its `generation` changes whenever the cursor is moved from outside an iteration (`set_epoch`,
+`load_state_dict`, a new `iter()`, `close()`), which makes every started iterator stale. An
+iterator not started yet follows such moves (trainers call `iter()`, then `set_epoch` or
+`load_state_dict`, then `next()`): only a newer `iter()` or `close()` (`iterations`) makes it
+stale.
 """
 
 from __future__ import annotations
@@ -21,61 +31,51 @@ class Cursor:
     epoch: int = 0
     position: int = 0  # global positions consumed in the current epoch
     restored: bool = False  # loaded from a state and not iterated since (see Loader.set_epoch)
-    hold: bool = False  # set_epoch(e) at the end of epoch e: the next iter() yields nothing
     generation: int = 0
+    iterations: int = 0  # bumped by each iter() and close(): iterators not started go stale only then
     last_batch: tuple[int, int] | None = None  # (epoch, step) of the last batch delivered
 
     @property
     def epoch_finished(self) -> bool:
+        """Every batch of the current epoch was delivered (its iteration may not have ended)."""
         return self.position >= self.length
-
-    @property
-    def next_epoch(self) -> int:
-        """The epoch the next batch comes from: this one, or the next once this one is over."""
-        return self.epoch + 1 if self.epoch_finished else self.epoch
 
     @property
     def next_step(self) -> int:
         """The step of the current epoch the next batch is (its number of steps at the end)."""
         return -(-self.position // self.global_batch_size)
 
-    def invalidate(self) -> None:
-        """Make the iterators handed out so far stale."""
+    def invalidate(self) -> int:
+        """Make the iterators handed out so far stale; the new generation."""
         self.generation += 1
+        return self.generation
 
     def move_to(self, epoch: int) -> None:
         """Start `epoch` at its first batch."""
         self.epoch, self.position = epoch, 0
-        self.restored = self.hold = False
+        self.restored = False
         self.invalidate()
-
-    def hold_if_finished(self) -> None:
-        """`set_epoch` to the current epoch: at its end, iterating it again yields nothing."""
-        self.hold = self.epoch_finished
 
     def restore(self, epoch: int, position: int) -> None:
-        """Continue at a saved (epoch, position)."""
+        """Continue at a saved (epoch, position) with the next iteration."""
         self.epoch, self.position = epoch, position
-        self.restored, self.hold = True, False
+        self.restored = True
         self.invalidate()
 
-    def begin_iteration(self) -> None:
-        """A new `iter()` (then `ready_epoch`): the iterators before it are stale."""
-        self.invalidate()
+    def start_iteration(self) -> None:
+        """An iteration begins: at the restored position right after `restore`, else at the
+        start of the current epoch."""
+        if not self.restored:
+            self.position = 0
         self.restored = False
 
-    def ready_epoch(self) -> bool:
-        """Make the epoch to iterate current and say whether it has batches left: at an epoch's
-        end, that is the next epoch (from its start) unless the cursor holds this one."""
-        if self.epoch_finished:
-            if self.hold:  # set_epoch(e) at the end of epoch e: nothing of it is left
-                self.hold = False
-                return False
-            self.epoch, self.position = self.epoch + 1, 0
-        self.hold = False
-        return True
-
     def advance(self, step: int) -> None:
-        """The batch of `step` of the current epoch was delivered."""
+        """The batch of `step` of the current epoch was delivered (or failed, and was reported
+        to the caller in its place: it is consumed either way)."""
         self.position = min((step + 1) * self.global_batch_size, self.length)
         self.last_batch = (self.epoch, step)
+
+    def finish_epoch(self) -> None:
+        """The iteration over the current epoch ended: the next epoch is current, at its start."""
+        self.epoch, self.position = self.epoch + 1, 0
+        self.restored = False

@@ -15,36 +15,61 @@ from typing import Any
 
 from shardloader.loader.batches import BatchTask
 from shardloader.loader.cursor import Cursor
-from shardloader.loader.pinning import pin_batch
+from shardloader.loader.failures import BatchFailure
+from shardloader.loader.pinning import PinningThread, pin_batch
 from shardloader.loader.plan import StepPlan
 from shardloader.loader.pool_keeper import PoolKeeper
 from shardloader.loader.prefetch_policy import EpochPrefetch
 from shardloader.loader.protocol import LoaderDataset
 from shardloader.loader.recording import BatchRecorder
+from shardloader.loader.workers.pool import CLOSE_SECONDS
 from shardloader.runtime.startup import gc_paused, paused_gc
 
 
 class EpochIterator:
-    """Iterates the rest of the cursor's epoch (`steps` batches in all) for one rank.
+    """Iterates one epoch of the cursor (`steps` batches in all) for one rank.
+
+    Nothing starts when it is made: its first `next()` begins the iteration (the cursor's
+    epoch from its start, or from the restored position) and starts workers and prefetch. An
+    iterator made and dropped unused (`iter(loader)` to check that it is iterable, as some
+    trainers do) thus moves nothing, and does not use up a restored position; one made before
+    `set_epoch` or `load_state_dict` (Lightning makes its iterator first) starts where they
+    put the cursor.
 
     `owner` is the Loader: this iterator keeps it alive, so that its workers are not abandoned
     by its `__del__` mid-epoch and its exit handler still closes them."""
 
-    @gc_paused  # starts the workers: on the path to the first batch (see shardloader.runtime.startup)
     def __init__(self, owner: object, cursor: Cursor, plan: StepPlan, dataset: LoaderDataset,
                  workers: PoolKeeper, *, steps: int, pin_memory: bool, rank: int, stats: Any,
                  telemetry: Any) -> None:
         self.owner = owner
         self.cursor = cursor
         self.plan = plan
+        self.dataset = dataset
         self.workers = workers
         self.pin_memory = pin_memory
-        self.delivered = False  # no batch yet: the first __next__ runs under paused_gc
+        self.rank = rank
+        self.stats = stats
+        self.telemetry = telemetry
         self.generation = cursor.generation
-        self.epoch = cursor.epoch
+        self.iteration = cursor.iterations
         self.steps = steps
-        first_step = cursor.next_step  # the end: steps
-        self.prefetch = EpochPrefetch(dataset, plan, self.epoch, range(first_step, steps),
+        self.started = False  # the first __next__ starts the iteration (under paused_gc)
+        self.ended = False  # StopIteration was raised: the cursor moved to the next epoch
+        self.finished = False  # prefetch stopped (and workers released, unless persistent)
+        self.prefetch: EpochPrefetch | None = None  # made by _start
+        self.broken: str | None = None  # why the iteration cannot go on (a worker died, ...)
+        self.pinning: PinningThread | None = None  # pins batches ahead (pin_memory with workers)
+
+    @gc_paused  # starts the workers: on the path to the first batch (see shardloader.runtime.startup)
+    def _start(self) -> None:
+        self.started = True
+        self.cursor.start_iteration()
+        self.dataset.check_length()
+        self.epoch = self.cursor.epoch
+        first_step = self.cursor.next_step  # the end: steps
+        workers = self.workers
+        self.prefetch = EpochPrefetch(self.dataset, self.plan, self.epoch, range(first_step, self.steps),
                                       num_workers=workers.num_workers)
         self.prefetch.before_workers(workers)
         self.pool = workers.get()
@@ -54,10 +79,12 @@ class EpochIterator:
         self.to_submit = first_step
         for _ in range(workers.depth):
             self._submit_next()
-        self.recorder = BatchRecorder(stats, telemetry, dataset.source, rank=rank, epoch=self.epoch,
-                                      steps=steps)
+        self.recorder = BatchRecorder(self.stats, self.telemetry, self.dataset.source, rank=self.rank,
+                                      epoch=self.epoch, steps=self.steps)
         self.prefetch.start_unless_deferred()
-        self.finished = False
+        if self.pin_memory and workers.num_workers > 0:
+            self.pinning = PinningThread(self._fetch, depth=workers.depth,
+                                         skip=lambda batch: isinstance(batch, BatchFailure))
 
     def _submit_next(self) -> None:
         while self.to_submit < self.steps:
@@ -76,37 +103,71 @@ class EpochIterator:
     def __iter__(self) -> EpochIterator:
         return self
 
+    def __len__(self) -> int:
+        """Batches of the whole epoch (DataLoader's iterators have a length too)."""
+        return self.steps
+
     def __next__(self) -> Any:
-        if self.delivered:
+        if self.ended:
+            raise StopIteration
+        if self.broken is not None:
+            raise RuntimeError(f"this iterator cannot go on: {self.broken}; iterate the loader again "
+                               f"(iter(loader)) to restart the epoch, or load a saved state")
+        if self.generation != self.cursor.generation:
+            if self.started or self.iteration != self.cursor.iterations:
+                raise RuntimeError("this iterator is stale: the loader was re-iterated, reloaded or closed")
+            self.generation = self.cursor.generation  # not started: it follows set_epoch/load_state_dict
+        if self.started:
             return self._next()
         with paused_gc():  # the wait for the first batch (see shardloader.runtime.startup)
-            batch = self._next()
-        self.delivered = True
-        return batch
+            try:
+                self._start()
+            except BaseException as e:
+                self.broken = f"{type(e).__name__}: {e}"
+                self.finish(error=True)
+                raise
+            return self._next()
 
     def _next(self) -> Any:
-        if self.generation != self.cursor.generation:
-            raise RuntimeError("this iterator is stale: the loader was re-iterated, reloaded or closed")
         start = time.perf_counter()
-        if not self.in_flight:
-            self.finish()
-            raise StopIteration
-        task = self.in_flight.pop(0)
-        queue_depth = self.pool.ready()
         try:
-            batch, timings = self.pool.get(task.task_id)
-        except BaseException:
+            if self.pinning is not None:
+                task, batch, timings, queue_depth = self.pinning.get()
+            else:
+                task, batch, timings, queue_depth = self._fetch()
+                if self.pin_memory and not isinstance(batch, BatchFailure):
+                    batch = pin_batch(batch)  # made in this thread anyway (no workers)
+        except StopIteration:
+            self.finish()
+            self.ended = True
+            self.cursor.finish_epoch()
+            raise
+        except BaseException as e:
+            self.broken = f"{type(e).__name__}: {e}"
             self.finish(error=True)
             raise
-        self._submit_next()
-        if self.prefetch.deferred:
-            self.prefetch.start_deferred()
-        if self.pin_memory:
-            batch = pin_batch(batch)
+        if isinstance(batch, BatchFailure):  # the dataset's error: this batch is consumed
+            self.cursor.advance(task.step)
+            raise batch.error
+        self.dataset.check_length()
         fetch_seconds = time.perf_counter() - start
         self.cursor.advance(task.step)
         self.recorder.record(task, timings, fetch_seconds, queue_depth)
         return batch
+
+    def _fetch(self) -> tuple[BatchTask, Any, Any, int]:
+        """The next batch from the pool, in step order (StopIteration after the last), and the
+        next task submitted in its place. Runs on the pinning thread when there is one."""
+        if not self.in_flight:
+            raise StopIteration
+        task = self.in_flight.pop(0)
+        queue_depth = self.pool.ready()
+        batch, timings = self.pool.get(task.task_id)
+        self._submit_next()
+        assert self.prefetch is not None
+        if self.prefetch.deferred:
+            self.prefetch.start_deferred()
+        return task, batch, timings, queue_depth
 
     def finish(self, error: bool = False, release: bool = True, timeout: float | None = None) -> None:
         """End the epoch's prefetch (within `timeout` seconds when given) and, with `release`,
@@ -114,13 +175,20 @@ class EpochIterator:
         if self.finished:
             return
         self.finished = True
-        self.prefetch.stop(timeout)
+        if not self.started:
+            return
+        if self.pinning is not None:
+            self.pinning.request_stop()
+        if self.prefetch is not None:
+            self.prefetch.stop(timeout)
         if release:
             self.workers.release(force=error)
+        if self.pinning is not None:  # its fetch ends with its batch, or with the pool
+            self.pinning.join(CLOSE_SECONDS if timeout is None else timeout)
 
     def __del__(self) -> None:
         try:
-            if not self.finished:
+            if self.prefetch is not None and not self.finished:
                 self.prefetch.stop(0.0)  # cancel; never wait in __del__
         except Exception:  # noqa: BLE001
             pass

@@ -23,13 +23,21 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
 from shardloader.errors import StateError
 from shardloader.loader.batches import BatchProducer, Transform
-from shardloader.loader.compat import check_dataloader_arguments, check_worker_init, resolve_tail
+from shardloader.loader.collate import collate
+from shardloader.loader.compat import (
+    check_dataloader_arguments,
+    check_worker_arguments,
+    check_worker_init,
+    resolve_context,
+    resolve_tail,
+    warn_worker_count,
+)
 from shardloader.loader.cursor import Cursor
 from shardloader.loader.epoch import EpochIterator
 from shardloader.loader.mapstyle import (
@@ -38,9 +46,11 @@ from shardloader.loader.mapstyle import (
     MapStyleDataset,
     as_loader_dataset,
 )
+from shardloader.loader.pinning import pins
 from shardloader.loader.plan import StepPlan
 from shardloader.loader.pool_keeper import PoolKeeper
 from shardloader.loader.recording import make_stats
+from shardloader.loader.samplers import LoaderBatchSampler, LoaderSampler
 from shardloader.loader.state import fingerprint_differences, make_state, validate_state
 from shardloader.loader.workers.pool import CLOSE_SECONDS, end_pools_at_exit
 from shardloader.order.partition import (
@@ -56,19 +66,35 @@ from shardloader.order.shuffle import (
     EpochOrder,
     ShuffleSettings,
 )
-from shardloader.runtime.distenv import rank_and_world
+from shardloader.runtime.distenv import process_group_active, rank_and_world
 from shardloader.runtime.startup import gc_paused
 from shardloader.transforms.base import transform_version as describe_transform
 
+#: What a batch is, for type hints: `Loader[dict[str, torch.Tensor]]`.
+T_co = TypeVar("T_co", covariant=True)
 
-class Loader:
+#: Attributes fixed at construction: assigning one raises ValueError (DataLoader refuses the
+#: first six the same way). The Loader's order, fingerprint and workers are made from them,
+#: so a new value would be ignored or would silently change what a saved state means.
+READ_ONLY_ATTRIBUTES = frozenset({
+    "batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers",
+    "shuffle", "seed", "num_workers", "transform", "collate_fn", "pin_memory", "tail",
+    "prefetch_factor", "rank", "world_size", "global_batch_size", "settings", "worker_type",
+    "transform_version", "timeout", "multiprocessing_context", "generator",
+})
+
+
+class Loader(Generic[T_co]):
     """Batches of `dataset` for this rank, in a deterministic, resumable order.
 
     `dataset` is a `shardloader.Dataset` or any map-style dataset (`__len__` + `__getitem__`,
-    e.g. a torch `Dataset`; see `shardloader.loader.mapstyle`). Arguments and defaults are
-    DataLoader's (`batch_size=1`, `shuffle=False`, `drop_last=False`, `persistent_workers=False`,
-    `prefetch_factor=2`); DataLoader arguments that would break exact resume (`sampler`,
-    `batch_sampler`, `generator`) are refused with what to use instead.
+    e.g. a torch `Dataset`; see `shardloader.loader.mapstyle`). Arguments, defaults and
+    refusals are DataLoader's (`batch_size=1`, `shuffle=False`, `drop_last=False`,
+    `persistent_workers=False`, `prefetch_factor=None`: 2 with workers); DataLoader arguments
+    that would break exact resume (`sampler`, `batch_sampler`, `generator`) are refused with
+    what to use instead. The attributes DataLoader has are there to read (`sampler` and
+    `batch_sampler` describe the Loader's own order and forward `set_epoch`); those the order
+    and state are made from are read-only (`READ_ONLY_ATTRIBUTES`), as DataLoader's are.
 
     `batch_size` is per rank; the global batch size is `batch_size * world_size` and is part
     of the fingerprint. `tail` chooses what happens to the last incomplete global batch:
@@ -83,29 +109,39 @@ class Loader:
     (its description, see `shardloader.transforms.transform_version`) unless
     `transform_version` overrides it.
 
-    Epochs — one contract for fresh and resumed runs (invariant I10)::
+    Epochs — one contract for fresh and resumed runs (invariant I10), DataLoader's for a fresh
+    one::
 
         loader.load_state_dict(state)              # or Checkpointer.load(..., loader=loader)
-        for epoch in range(loader.epoch, epochs):  # loader.epoch: the epoch to run next
+        for epoch in range(loader.epoch, epochs):  # loader.epoch: the cursor's epoch
             loader.set_epoch(epoch)
             for batch in loader:
                 ...
+            ...                                    # epoch-end work: validate, step, save
 
-    - Iterating yields the rest of the current epoch. `loader.epoch` is the epoch the next
-      batch comes from: 0 for a new loader, `e` while epoch e has batches left, `e + 1` once
-      epoch e has been consumed to its end (also right after loading a state saved there).
-    - `set_epoch(e)` where e is the cursor's epoch keeps the position (a no-op); so the loop
-      above continues a state saved mid-epoch e with `range(e, ...)`. For a state saved at
-      the end of epoch e, `set_epoch(e)` keeps the loader there and that epoch's iteration
-      yields nothing; `set_epoch(e + 1)` then starts epoch e + 1. Starting the loop at e or
-      at e + 1 gives the same batches as the uninterrupted run.
-    - `set_epoch` to a later epoch starts it at its first batch (a fresh run may break out of
-      an epoch early and move on, as with DataLoader). A loader just restored from a state is
-      the exception: until its first `iter()`, only `loader.epoch` (and the saved epoch) are
-      accepted; anything else would silently skip data and raises StateError.
-    - `set_epoch` to an earlier epoch would replay data: StateError, saying which loop to
+    - Each `iter()` starts the cursor's epoch from its beginning, as DataLoader's does, except
+      the first one after `load_state_dict()`, which continues at the saved position. A peek
+      (`next(iter(loader))`) or a `break` therefore costs the next loop nothing, and `len()`
+      is always what a full pass yields. An iterator starts at its first `next()`: one made
+      and dropped unused moves nothing.
+    - The epoch advances when an iteration over it ends (StopIteration), not when its last
+      batch is handed out: `loader.epoch` is e while epoch e's loop runs, and e + 1 once it
+      has ended. A state saved on epoch e's last batch is epoch e at its end; after loading
+      it, epoch e's loop yields nothing and the epoch-end work runs, as in the uninterrupted
+      run. From there `set_epoch(e + 1)` skips nothing and is allowed too, so resuming with
+      `range(e, E)` or `range(e + 1, E)` gives the same batches.
+    - `set_epoch(e)` for the cursor's epoch keeps the position (a no-op). To a later epoch it
+      starts that epoch (a fresh run may break out of an epoch and move on). A loader just
+      restored from a state accepts only its own epoch (and the next, from an epoch's end)
+      until its first iteration: anything else would silently skip data and raises
+      StateError. To an earlier epoch it would replay data: StateError, saying which loop to
       write. `set_epoch(e, force=True)` moves anyway (a deliberate replay or skip).
-    - Without `set_epoch`, iterating again after an epoch's end starts the next epoch.
+    - Without `set_epoch`, a loop that ran to its end moves on to the next epoch; one left by
+      `break` is started again from its beginning by the next `iter()`.
+    - A sample whose reading or transform raises fails its batch only: `next()` raises the
+      dataset's own exception (from a worker: rebuilt with the worker's traceback and the
+      sample in its message, as DataLoader does), that batch counts as consumed, and the
+      next `next()` gives the next batch. A worker that dies ends the iteration (WorkerError).
 
     Lifecycle: `with Loader(...) as loader:` closes it on exit; `close()` is idempotent and
     bounded (about `CLOSE_SECONDS`: workers that do not stop are terminated, then killed), and
@@ -151,15 +187,24 @@ class Loader:
                                    generator=generator, in_order=in_order,
                                    pin_memory_device=pin_memory_device)
         assert batch_size is not None
-        prefetch_factor = 2 if prefetch_factor is None else prefetch_factor
-        if prefetch_factor < 1:
-            raise ValueError(f"prefetch_factor must be >= 1, got {prefetch_factor}")
+        prefetch_factor = check_worker_arguments(num_workers=num_workers, timeout=timeout,
+                                                 prefetch_factor=prefetch_factor,
+                                                 persistent_workers=persistent_workers,
+                                                 worker_type=worker_type)
+        context, start_method = resolve_context(multiprocessing_context, num_workers=num_workers,
+                                                worker_type=worker_type)
         check_worker_init(worker_init_fn, num_workers, worker_type)
+        warn_worker_count(num_workers, worker_type)
+        if pin_memory and not pins(True):
+            warnings.warn("pin_memory=True, but no accelerator is available here: batches are not "
+                          "pinned (pinned memory only speeds up copies to a device)", UserWarning,
+                          stacklevel=3)  # the caller of Loader(...), past the gc_paused wrapper
         self.dataset = dataset
         self._data = as_loader_dataset(dataset)  # what batches are read from
         map_style = isinstance(self._data, MapStyleDataset)
         self.batch_size = batch_size
         self.rank, self.world_size = rank_and_world(rank, world_size)
+        self._world_from_group = rank is None or world_size is None  # checked again at iter()
         self.global_batch_size = batch_size * self.world_size
         check_world(self.global_batch_size, self.world_size, self.rank)
         self.seed = int(seed)
@@ -168,13 +213,20 @@ class Loader:
         if window is None:
             window = MAP_STYLE_WINDOW if map_style else DEFAULT_WINDOW
         self.settings = ShuffleSettings(shuffle=bool(shuffle), partitions=partitions, window=window)
+        self.shuffle = self.settings.shuffle
         self.tail = resolve_tail(tail, drop_last, self.world_size)
+        self.drop_last = self.tail == "drop"
         self.num_workers = num_workers
         self.worker_type = worker_type
-        self.prefetch_factor = prefetch_factor
+        self.prefetch_factor = prefetch_factor  # DataLoader's: None without workers
         self.persistent_workers = persistent_workers
         self.pin_memory = pin_memory
         self.transform = transform
+        self.collate_fn = collate_fn if collate_fn is not None else collate
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = context  # a context object, as DataLoader keeps it
+        self.generator = None  # the order comes from `seed`: no RNG stream (see compat)
+        self.timeout = 0 if timeout is None else timeout
         self.transform_version = (transform_version if transform_version is not None
                                   else None if transform is None else describe_transform(transform))
         self.telemetry = telemetry
@@ -183,15 +235,31 @@ class Loader:
         producer = BatchProducer(self._data, seed=self.seed, transform=transform, collate_fn=collate_fn,
                                  worker_init_fn=worker_init_fn)
         producer.plan = self._plan
-        self._timeout = timeout or None  # DataLoader's timeout=0 means none
         self._workers = PoolKeeper(producer, num_workers=num_workers, worker_type=worker_type,
-                                   context=multiprocessing_context, timeout=self._timeout,
-                                   prefetch_factor=prefetch_factor, persistent=persistent_workers)
+                                   context=start_method, timeout=timeout or None,  # 0: none
+                                   prefetch_factor=prefetch_factor or 2, persistent=persistent_workers,
+                                   worker_dataset=dataset)
         self._cursor = Cursor(epoch_length(len(self._data), self.global_batch_size, self.tail),
                               self.global_batch_size)
         self._active: weakref.ref[EpochIterator] | None = None
         self._stats = make_stats()
+        self.sampler = LoaderSampler(self)
+        self.batch_sampler = LoaderBatchSampler(self, self.sampler)
+        self._initialized = True  # from here on, READ_ONLY_ATTRIBUTES are
         _LIVE_LOADERS.add(self)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        initialized = self.__dict__.get("_initialized", False)
+        if name == "worker_init_fn" and initialized:  # as DataLoader: honoured by workers started later
+            check_worker_init(value, self.num_workers, self.worker_type)
+            self._workers.producer.worker_init_fn = value
+        if name in READ_ONLY_ATTRIBUTES and initialized:
+            raise ValueError(
+                f"{name} attribute should not be set after Loader is initialized: the order, the "
+                f"state's fingerprint and the workers are made from it. Make a new Loader instead "
+                f"(a state_dict() of this one loads into it if the fingerprint still matches)"
+            )
+        super().__setattr__(name, value)
 
     # -- sizes --------------------------------------------------------------------------------
     @property
@@ -199,19 +267,33 @@ class Loader:
         return len(self._data)
 
     def __len__(self) -> int:
-        """Batches per epoch for this rank."""
+        """Batches per epoch for this rank: what every full pass yields (with tail="partial"
+        under world_size > 1, a rank that gets nothing of the last global batch has one less)."""
+        steps = self._global_steps
+        if steps and self._plan.counts(steps - 1)[0] == 0:
+            steps -= 1
+        return steps
+
+    @property
+    def _global_steps(self) -> int:
+        """Global steps per epoch (the same on every rank)."""
         return steps_per_epoch(self.num_samples, self.global_batch_size, self.tail)
 
     @property
+    def samples_per_epoch(self) -> int:
+        """Samples this rank's batches hold per epoch (padding included)."""
+        return sum(self._plan.counts(step)[0] for step in range(self._global_steps))
+
+    @property
     def epoch(self) -> int:
-        """The epoch the next batch comes from: the cursor's epoch, or the one after it when
-        the cursor is at that epoch's end. `range(loader.epoch, E)` is the resume loop."""
-        return self._cursor.next_epoch
+        """The cursor's epoch: the one being iterated, or the next once an iteration over an
+        epoch has ended. `range(loader.epoch, E)` is the resume loop."""
+        return self._cursor.epoch
 
     @property
     def step(self) -> int:
         """Batches delivered since epoch 0 began (the training step, restored by a resume)."""
-        return self._cursor.epoch * len(self) + self._cursor.next_step
+        return self._cursor.epoch * self._global_steps + self._cursor.next_step
 
     def tail_report(self) -> dict[str, int]:
         """How many samples each epoch pads or drops to give every rank equal batches."""
@@ -246,7 +328,6 @@ class Loader:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         epoch = int(epoch)
         if epoch == self._cursor.epoch:
-            self._cursor.hold_if_finished()  # this epoch is over: iterating it yields nothing
             return
         if not force:
             self._check_move(epoch)
@@ -264,9 +345,9 @@ class Loader:
                 f"set_epoch({epoch}) would move this loader back from {where} and replay data; "
                 f"{loop}. To replay on purpose, call set_epoch({epoch}, force=True)."
             )
-        if cursor.restored and epoch != self.epoch:
+        if cursor.restored and not (cursor.epoch_finished and epoch == cursor.epoch + 1):
             skipped = (f"the rest of epoch {cursor.epoch}" if not cursor.epoch_finished
-                       else f"epochs {self.epoch}..{epoch - 1}")
+                       else f"epochs {cursor.epoch + 1}..{epoch - 1}")
             raise StateError(
                 f"set_epoch({epoch}) would skip {skipped}: this loader is at {where}; {loop}. "
                 f"To skip on purpose, call set_epoch({epoch}, force=True)."
@@ -306,16 +387,35 @@ class Loader:
         self._cursor.restore(state["epoch"], position)
 
     # -- iteration ----------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[Any]:
-        self._cursor.begin_iteration()
+    def __iter__(self) -> Iterator[T_co]:
+        """The cursor's epoch from its beginning (or from a restored position); it starts at
+        its first `next()`. Iterators handed out before become stale."""
+        self._check_world()
         self._finish_active()
-        if not self._cursor.ready_epoch():
-            return iter(())
+        self._cursor.invalidate()
+        self._cursor.iterations += 1
         iterator = EpochIterator(self, self._cursor, self._plan, self._data, self._workers,
-                                 steps=len(self), pin_memory=self.pin_memory, rank=self.rank,
+                                 steps=self._global_steps, rank=self.rank,
+                                 pin_memory=pins(self.pin_memory),
                                  stats=self._stats, telemetry=self.telemetry)
         self._active = weakref.ref(iterator)
         return iterator
+
+    def _check_world(self) -> None:
+        """Refuse to iterate a Loader made for one process while a process group of several
+        is active: it was made before `init_process_group` (Lightning's DDP starts the group
+        inside `fit()`), and every rank would read every sample."""
+        if not self._world_from_group or not process_group_active():
+            return
+        rank, world = rank_and_world()
+        if (rank, world) != (self.rank, self.world_size):
+            raise RuntimeError(
+                f"this Loader was made for rank {self.rank} of {self.world_size}, but torch.distributed "
+                f"now runs rank {rank} of {world}: it was made before the process group started, so "
+                f"every rank would read the same samples. Make it after init_process_group (in "
+                f"Lightning: in train_dataloader()), or pass rank= and world_size= (in Lightning: "
+                f"trainer.global_rank, trainer.world_size)"
+            )
 
     def _finish_active(self, timeout: float = CLOSE_SECONDS) -> None:
         """Stop the prefetch of the iterator handed out last, if it did not finish."""
@@ -340,6 +440,7 @@ class Loader:
 
         The loader can be iterated again afterwards (workers restart); its position is kept."""
         self._cursor.invalidate()
+        self._cursor.iterations += 1
         deadline = time.monotonic() + timeout
         self._finish_active(timeout=timeout)
         self._workers.release(force=True, timeout=max(0.0, deadline - time.monotonic()))

@@ -40,6 +40,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from shardloader.errors import DatasetChangedError
+from shardloader.loader.failures import SampleFailed
 from shardloader.loader.protocol import (
     KeyedReads,
     LoaderDataset,
@@ -121,6 +123,7 @@ class MapStyleDataset(LoaderDataset, KeyedReads):
                 f"is every index in range(len(dataset)), so the length must be known up front."
             ) from None
         self.dataset = dataset
+        self.name = name
         # The producer reads through `read_keyed` unless the dataset draws no random numbers.
         self.keyed_reads = bool(dataset.uses_global_rng) if isinstance(dataset, _DeclaresRngUse) else True
         self.index = _MapStyleIndex(int(length), f"{name} len={int(length)}{_identity(dataset)}")
@@ -128,9 +131,26 @@ class MapStyleDataset(LoaderDataset, KeyedReads):
     def __len__(self) -> int:
         return self.index.num_samples
 
+    def check_length(self) -> None:
+        """The dataset still has the length the Loader was made with (see LoaderDataset)."""
+        length = len(self.dataset)
+        if length != self.index.num_samples:
+            raise DatasetChangedError(
+                f"{self.name}: the dataset's length changed from {self.index.num_samples} (when "
+                f"the Loader was made) to {length}; a Loader's epochs, order and saved states are "
+                f"those of the length it was made with. Make a new Loader for the new length "
+                f"(a saved state of the old one does not apply to it)"
+            )
+
     def get_many(self, samples: Sequence[int] | np.ndarray) -> list[Any]:
         """`dataset[i]` for each i, in the order given (no RNG keying)."""
-        return [self.dataset[i] for i in np.asarray(samples, dtype=np.int64).tolist()]
+        out = []
+        for sample in np.asarray(samples, dtype=np.int64).tolist():
+            try:
+                out.append(self.dataset[sample])
+            except Exception as e:  # noqa: BLE001 - the dataset's error, for this sample
+                raise SampleFailed(e, sample) from None
+        return out
 
     def read_keyed(self, samples: np.ndarray, keys: Sequence[int], lock: threading.Lock) -> list[Any]:
         """`dataset[i]` for each i, each under global RNGs seeded from a key derived from the
@@ -140,7 +160,10 @@ class MapStyleDataset(LoaderDataset, KeyedReads):
         with lock, GlobalRngScope() as scope:
             for sample, key in zip(np.asarray(samples, dtype=np.int64).tolist(), read_keys):
                 scope.seed(key)
-                out.append(self.dataset[sample])
+                try:
+                    out.append(self.dataset[sample])
+                except Exception as e:  # noqa: BLE001 - the dataset's error, for this sample
+                    raise SampleFailed(e, sample) from None
         return out
 
     def __repr__(self) -> str:

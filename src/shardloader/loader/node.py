@@ -41,7 +41,8 @@ class LoaderNode(BaseNode[Any]):
             raise TypeError(f"LoaderNode wraps a shardloader Loader, got {type(loader).__name__}")
         self.loader = loader
         self._it: Iterator[Any] | None = None
-        self._started = False
+        self._started = False  # a batch of the current pass was taken
+        self._ended = False  # the current pass ran to its end (the Loader's epoch advanced)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -50,14 +51,20 @@ class LoaderNode(BaseNode[Any]):
                 raise ValueError(f"LoaderNode state must hold {self.LOADER_KEY!r}; got keys "
                                  f"{sorted(initial_state)}")
             self.loader.load_state_dict(initial_state[self.LOADER_KEY])
-        elif self._started:
+            if self.loader._cursor.epoch_finished:  # saved at an epoch's end: continue with the next
+                self.loader.set_epoch(self.loader.epoch + 1)
+        elif self._started and not self._ended:
             self.loader.set_epoch(self.loader.epoch + 1)  # a new pass is the next epoch
-        self._started = False
+        self._started = self._ended = False
         self._it = iter(self.loader)
 
     def next(self) -> Any:
         assert self._it is not None  # BaseNode calls reset() before the first next()
-        batch = next(self._it)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._ended = True  # the Loader moved on to the next epoch itself
+            raise
         self._started = True
         return batch
 

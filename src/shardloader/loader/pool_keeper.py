@@ -19,8 +19,9 @@ class PoolKeeper:
 
     def __init__(self, producer: BatchProducer, *, num_workers: int, worker_type: str,
                  context: str | None, timeout: float | None, prefetch_factor: int,
-                 persistent: bool) -> None:
+                 persistent: bool, worker_dataset: Any = None) -> None:
         self.producer = producer
+        self.worker_dataset = worker_dataset  # what get_worker_info().dataset is in a worker
         self.num_workers = num_workers
         self.worker_type = worker_type
         self.context = context
@@ -51,7 +52,8 @@ class PoolKeeper:
         if self.pool is None:
             self.pool = make_pool(self.producer, self.num_workers, self.worker_type,
                                   context=self.context, timeout=self.timeout,
-                                  prefetch_factor=self.prefetch_factor)
+                                  prefetch_factor=self.prefetch_factor,
+                                  worker_dataset=self.worker_dataset)
         return self.pool
 
     def release(self, force: bool = False, timeout: float = CLOSE_SECONDS) -> None:

@@ -101,6 +101,12 @@ class LoaderDataset(ShardedDataset, Protocol):
         """Drop this process's readers (and their cache pins)."""
         return None
 
+    def check_length(self) -> None:
+        """Raise DatasetChangedError when the data's length is no longer the one the Loader
+        was made with (a list a map-style dataset appends to): the order, the fingerprint and
+        every saved position depend on it. Called as each iteration starts and after each batch."""
+        return None
+
 
 @runtime_checkable
 class KeyedReads(Protocol):

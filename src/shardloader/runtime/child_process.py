@@ -1,18 +1,32 @@
-"""Processes shardloader starts die with the process that started them (invariant I11).
+"""Processes shardloader starts die with the training process (invariant I11).
 
 A training process can die by any signal, SIGKILL included (preemption, the OOM killer,
-`kill -9`), and then runs no cleanup at all. Its children must notice on their own:
+`kill -9`), and then runs no cleanup at all. Its children must notice on their own. A child
+watches the training process itself, never merely "its parent": under multiprocessing's
+"forkserver" start method a worker's parent is the fork server, a process that outlives the
+training process for as long as any of its children holds the server's "alive" pipe (each
+of them does). The training process names itself with `this_process()` (its pid and its start
+time, so that a pid recycled after its death is never taken for it) and the child calls
+`die_with(that)` first thing:
 
-- On Linux the kernel delivers a signal to a child when its parent dies
-  (`prctl(PR_SET_PDEATHSIG)`). The kernel ties that signal to the *thread* that forked the
-  child, so it is armed only for children started from the parent's main thread; otherwise a
-  worker pool created from a short-lived thread would be killed when that thread ends.
-- Everywhere (and for the window between fork and `prctl`), a daemon thread in the child polls
-  the parent's pid and exits the child when the parent is gone (re-parented to init or a
-  subreaper).
+- Linux 5.3 and later: a pidfd of the training process (`os.pidfd_open`), opened first and
+  then checked to be that process (same start time, or still this child's parent). A pidfd
+  names one process for good and becomes readable when it ends (a zombie counts as ended), so
+  a daemon thread blocked on it exits the child without polling and without any pid race.
+- Where there is no pidfd (older kernels, a seccomp filter that refuses it, other systems), a
+  daemon thread checks every `PARENT_POLL_SECONDS` that the process is still there:
+  `/proc/<pid>/stat` with the same start time and not a zombie, and for a parent that it
+  still is this child's parent (`os.getppid()`); without /proc, `os.kill(pid, 0)` (a zombie
+  there counts as alive until it is reaped).
+- And where the training process is the child's parent (fork, spawn, subprocess), the kernel
+  kills the child at once when it dies (`prctl(PR_SET_PDEATHSIG)`). The kernel ties that
+  signal to the *thread* that forked the child, so it is armed only for children started
+  from the parent's main thread (`started_from_main_thread`); otherwise a worker pool created
+  from a short-lived thread would be killed when that thread ends. Under forkserver the
+  parent is the fork server, so it is not armed there.
 
-Call `die_with_parent(parent_pid)` first thing in the child, with the pid the parent had
-before it started the child.
+`die_with_parent(pid)` is the same for a child that was handed its parent's pid (a script
+started with `subprocess`): there the identity is "this process's parent".
 """
 
 from __future__ import annotations
@@ -20,13 +34,65 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import select
 import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 _PR_SET_PDEATHSIG = 1
 PARENT_POLL_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    """One process, as its children watch it: its pid and its start time (clock ticks after
+    boot, field 22 of /proc/<pid>/stat; None where unknown: no /proc, or a parent's pid
+    passed on a command line)."""
+
+    pid: int
+    start: int | None
+
+
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, start time) of `pid` from /proc, or None when it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    rest = text[text.rindex(")") + 2:].split()  # the command name may hold spaces and ')'
+    return rest[0], int(rest[19])
+
+
+def _has_proc() -> bool:
+    return os.path.exists("/proc/self/stat")
+
+
+def this_process() -> ProcessIdentity:
+    """This process's identity, for the children it starts to watch."""
+    stat = _stat(os.getpid()) if _has_proc() else None
+    return ProcessIdentity(os.getpid(), None if stat is None else stat[1])
+
+
+def is_alive(process: ProcessIdentity, *, parent: bool = False) -> bool:
+    """Whether `process` still runs (a zombie has ended). Called in the watching child;
+    `parent`: `process` was this child's parent when the watch began. A parent is watched
+    through `os.getppid()`, which is exact: a re-parented child never gets that pid back."""
+    stat = _stat(process.pid) if _has_proc() else None
+    if process.start is not None and _has_proc() and (
+            stat is None or stat[0] in ("Z", "X") or stat[1] != process.start):
+        return False
+    if parent:
+        return os.getppid() == process.pid
+    if _has_proc():
+        return stat is not None and stat[0] not in ("Z", "X")
+    try:  # no /proc: a zombie still counts as alive here, until it is reaped
+        os.kill(process.pid, 0)
+    except OSError:  # gone, or a recycled pid of another user's
+        return False
+    return True
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
@@ -42,25 +108,67 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
         return False
 
 
-def _watch_parent(parent_pid: int, poll_seconds: float) -> None:
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(1)  # the parent is gone; nobody is left to read what we would produce
+def _open_pidfd(pid: int) -> int | None:
+    """A pidfd of `pid`; None where pidfds are not available. Exits this process when `pid`
+    no longer exists."""
+    pidfd_open = getattr(os, "pidfd_open", None)  # Linux, Python 3.9+
+    if pidfd_open is None:
+        return None
+    try:
+        return pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)  # already gone
+    except OSError:  # ENOSYS (kernel < 5.3), EPERM (seccomp), ...
+        return None
+
+
+def _wait_for_end(pidfd: int, process: ProcessIdentity, parent: bool, poll_seconds: float) -> None:
+    """Block until the pidfd's process ends, then exit this process."""
+    try:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        while not poller.poll():  # no timeout: wakes only when the process has ended
+            pass
+    except OSError:  # pragma: no cover - a pidfd that cannot be waited on: poll instead
+        _poll_until_gone(process, parent, poll_seconds)
+    os._exit(1)  # the training process is gone; nobody is left to read what we would produce
+
+
+def _poll_until_gone(process: ProcessIdentity, parent: bool, poll_seconds: float) -> None:
+    while is_alive(process, parent=parent):
         time.sleep(poll_seconds)
+    os._exit(1)
+
+
+def die_with(process: ProcessIdentity, *, use_signal: bool = True,
+             poll_seconds: float = PARENT_POLL_SECONDS) -> None:
+    """Make this (child) process exit when `process` dies, by any signal; exit at once when it
+    already has. Call it first thing in the child.
+
+    `use_signal=False` skips the kernel's parent-death signal (for children started from a
+    thread other than the parent's main thread); it is armed only where `process` is this
+    process's parent anyway."""
+    parent = os.getppid() == process.pid
+    if use_signal and parent:
+        set_parent_death_signal(signal.SIGKILL)
+    pidfd = _open_pidfd(process.pid)
+    # After the signal was armed and the pidfd opened: the process (still) is the one named,
+    # so the pidfd names it, and a death before the signal was armed is seen here.
+    if not is_alive(process, parent=parent):
+        os._exit(1)
+    if pidfd is not None:
+        target, args = _wait_for_end, (pidfd, process, parent, poll_seconds)
+    else:
+        target, args = _poll_until_gone, (process, parent, poll_seconds)
+    threading.Thread(target=target, args=args, name="shardloader-parent-watch", daemon=True).start()
 
 
 def die_with_parent(parent_pid: int, *, use_signal: bool = True,
                     poll_seconds: float = PARENT_POLL_SECONDS) -> None:
-    """Make this (child) process exit when `parent_pid` dies, by any signal.
-
-    `use_signal=False` skips the kernel's parent-death signal and relies on polling only (for
-    children started from a thread other than the parent's main thread)."""
-    if use_signal:
-        set_parent_death_signal(signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before the signal was armed
-        os._exit(1)
-    threading.Thread(target=_watch_parent, args=(parent_pid, poll_seconds),
-                     name="shardloader-parent-watch", daemon=True).start()
+    """`die_with` the parent `parent_pid` (the pid the parent had before it started this
+    child, e.g. passed on the command line); exits at once when this process's parent is no
+    longer `parent_pid` (it died before the call)."""
+    die_with(ProcessIdentity(parent_pid, None), use_signal=use_signal, poll_seconds=poll_seconds)
 
 
 def started_from_main_thread() -> bool:

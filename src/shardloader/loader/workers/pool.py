@@ -4,11 +4,13 @@ Three kinds, same interface (`submit(task)`, `get(task_id)`, `ready()`, `close()
 
 - `InlinePool` (num_workers=0): produces in the caller's thread when asked.
 - `ThreadPool`: threads; right when decode releases the GIL (simplejpeg, OpenCV do).
-- `ProcessPool`: worker processes (fork by default, like DataLoader on Linux). Batches come
-  back through a queue; their tensors travel through shared-memory slots that each worker
-  reuses (`shardloader.loader.workers.slots`). A worker that dies is detected while waiting and raised
-  as WorkerError naming it — never a hang. Workers die with the training process, by any
-  signal (`die_with_parent`), and hold only their own ends of the pipes (see `_worker_main`).
+- `ProcessPool`: worker processes (fork by default, like DataLoader on Linux; "spawn" and
+  "forkserver" too). Batches come back through a queue; their tensors travel through
+  shared-memory slots that each worker reuses (`shardloader.loader.workers.slots`). A worker
+  that dies is detected while waiting and raised as WorkerError naming it — never a hang.
+  Workers die with the training process, by any signal, under every start method, and hold
+  only their own ends of the pipes (`shardloader.loader.workers.worker_process`,
+  `_close_inherited_ends`).
 
 `close()` is idempotent and bounded (`CLOSE_SECONDS` by default): what does not stop in time
 is terminated, then killed; it never waits on a thread or a process without a deadline.
@@ -23,26 +25,35 @@ import concurrent.futures
 import dataclasses
 import operator
 import os
+import pickle
 import queue
 import signal
 import threading
 import time
-import traceback
 import weakref
 from typing import Any
 
-import torch
 import torch.multiprocessing as torch_mp
 
 from shardloader.errors import WorkerError
 from shardloader.loader.batches import BatchProducer, BatchTask, BatchTimings
+from shardloader.loader.failures import (
+    BatchFailure,
+    FailureRecord,
+    in_this_process,
+    rebuild,
+    record_in_worker,
+)
 from shardloader.loader.workers.frames import ATOMIC_BYTES, frame
 from shardloader.loader.workers.slots import LEND_PER_WORKER, SlotReader, SlotWriter
-from shardloader.runtime.child_process import die_with_parent, started_from_main_thread
-from shardloader.runtime.startup import collect_in_forked_worker
+from shardloader.loader.workers.worker_process import WorkerStart, begin_worker
+from shardloader.runtime.child_process import die_with, started_from_main_thread, this_process
 
+#: A batch (or a `BatchFailure` in its place: see `shardloader.loader.failures`) and its timings.
 Result = tuple[Any, BatchTimings]
 _POLL_SECONDS = 0.2
+#: What pickling a worker's arguments raises for what does not pickle (a lambda, a local class).
+_PICKLING_ERRORS = (pickle.PicklingError, AttributeError, TypeError)
 #: How long `close()` lets workers finish before it terminates (then kills) them, in all.
 CLOSE_SECONDS = 5.0
 
@@ -58,7 +69,11 @@ class InlinePool:
         self._tasks[task.task_id] = task
 
     def get(self, task_id: int) -> Result:
-        return self.producer(self._tasks.pop(task_id))
+        task = self._tasks.pop(task_id)
+        try:
+            return self.producer(task)
+        except Exception as e:  # noqa: BLE001 - the dataset's error, raised for this batch
+            return in_this_process(e, task.epoch, task.step), BatchTimings()
 
     def ready(self) -> int:
         return 0
@@ -71,7 +86,9 @@ class InlinePool:
 
 
 class ThreadPool:
-    """Worker threads sharing the process (and its open shard readers).
+    """Worker threads sharing the process (and its open shard readers). In them
+    `torch.utils.data.get_worker_info()` is None, as in the training process (see
+    `shardloader.loader.workers.worker_process`).
 
     Daemon threads, not a `concurrent.futures.ThreadPoolExecutor`: the executor's threads are
     joined without a limit at interpreter exit, so one batch stuck in a read (a silent server)
@@ -99,6 +116,8 @@ class ThreadPool:
                 continue
             try:
                 future.set_result(self.producer(task))
+            except Exception as e:  # noqa: BLE001 - the dataset's error, raised for this batch
+                future.set_result((in_this_process(e, task.epoch, task.step), BatchTimings()))
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the batch
                 future.set_exception(e)
 
@@ -139,30 +158,16 @@ class ThreadPool:
                 thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _worker_main(worker_id: int, producer: BatchProducer, tasks: Any, results: Any,
-                 returned_slots: Any, parent_pid: int, use_signal: bool) -> None:
-    # First: die with the training process, however it ends (SIGKILL included). The kernel's
-    # parent-death signal is only armed when the pool was made on the parent's main thread
-    # (see shardloader.runtime.child_process); parent-pid polling covers every case.
-    die_with_parent(parent_pid, use_signal=use_signal)
-    collect_in_forked_worker()
+def _worker_main(start: WorkerStart, producer: BatchProducer, tasks: Any, results: Any,
+                 returned_slots: Any) -> None:
+    # First: die with the training process, however it ends; then let go of what it must not
+    # hold, before anything slow (imports) runs. See worker_process.
+    die_with(start.training, use_signal=start.use_signal)
     _close_inherited_ends(tasks, results, returned_slots)
-    # Ctrl-C goes to the main process, which shuts workers down; workers must not die first.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    producer.report_cache_counters = True  # this process's cache counters are its batches'
-    producer.worker_id = worker_id  # runs worker_init_fn(worker_id) before the first batch
-    # Workers parallelise; intra-op pools would oversubscribe the cores (torch's also spins
-    # for milliseconds per op on a busy machine). DataLoader's workers do the same for torch.
-    torch.set_num_threads(1)
-    _lower_priority()
-    try:
-        import cv2
-
-        cv2.setNumThreads(1)
-    except ImportError:  # pragma: no cover - opencv is a dependency
-        pass
+    begin_worker(start, producer)
     writer = SlotWriter(returned_slots)
     producer.allocate = writer.allocate  # the direct batch path builds images in a slot
+    worker_id = start.worker_id
     while True:
         try:
             task = tasks.get()
@@ -173,31 +178,41 @@ def _worker_main(worker_id: int, producer: BatchProducer, tasks: Any, results: A
         task = BatchTask(*task)  # sent as a tuple: see `_task_frame`
         try:
             batch, timings = producer(task)
-            results.put((worker_id, task.task_id, True, (writer.pack(batch), timings)))
-        except Exception as e:  # noqa: BLE001 - every failure is reported to the caller
-            message = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-            results.put((worker_id, task.task_id, False, message))
+            packed = writer.pack(batch)
+        except Exception as e:  # noqa: BLE001 - the dataset's error, raised for this batch
+            results.put((worker_id, task.task_id, False,
+                         record_in_worker(e, worker_id, task.epoch, task.step)))
+            continue
+        try:
+            results.put((worker_id, task.task_id, True, (packed, timings)))
+        except Exception as e:  # noqa: BLE001 - a batch that does not pickle (nothing was sent)
+            writer.unsent(packed)
+            results.put((worker_id, task.task_id, False,
+                         record_in_worker(e, worker_id, task.epoch, task.step)))
 
 
 def _close_inherited_ends(tasks: Any, results: Any, returned_slots: Any) -> None:
-    """In a forked worker, close every pipe end it inherited but must not hold.
+    """In a worker, close every pipe end it was given or inherited but must not hold.
 
     A forked child holds a copy of each descriptor its parent had open: the write end of its
     own task queue, the other workers' queues, the read end of the result queue, and the pipes
     of any other live pool. As long as a worker holds the write end of its own task queue, its
     read never sees end-of-file when the training process dies, and a worker of another pool
-    keeps this pool's pipes alive after this pool's workers are gone. Kept: the read end of
-    `tasks`, the write end of `results`, the read end of `returned_slots`.
-    (Under "spawn"/"forkserver" the child inherits none of these, and the registry is empty.)
+    keeps this pool's pipes alive after this pool's workers are gone. Under "spawn" and
+    "forkserver" a worker inherits none of those (the registry is empty there), but each queue
+    it is passed arrives with both its ends. Kept: the read end of `tasks`, the write end of
+    `results`, the read end of `returned_slots`.
     """
     keep = {id(tasks._reader), id(results._writer), id(returned_slots._reader)}
+    conns = [tasks._writer, results._reader, returned_slots._writer]
     for pool in list(_LIVE_POOLS):
-        for conn in pool._connections():
-            if id(conn) not in keep:
-                try:
-                    conn.close()
-                except OSError:
-                    pass
+        conns += pool._connections()
+    for conn in conns:
+        if id(conn) not in keep:
+            try:
+                conn.close()
+            except OSError:
+                pass
 
 
 def _task_frame(task: BatchTask) -> bytes:
@@ -211,36 +226,6 @@ def _task_frame(task: BatchTask) -> bytes:
 _task_values = operator.attrgetter(*(f.name for f in dataclasses.fields(BatchTask)))
 
 
-_WORKER_NICE = 5
-
-
-def _lower_priority() -> None:
-    """Give the training process precedence over its workers (nice +5).
-
-    Workers are there to run ahead of the training loop. When they are ahead, handing one a
-    task wakes it, and on a machine whose cores the workers fill the kernel preempts the
-    training thread in favour of the woken worker: measured on 2 cores with the consumer at
-    80% of the loader's capacity, next() then took 5 ms per batch instead of 1-2 ms. At a lower
-    priority the workers still get every core the training process leaves idle.
-
-    And SCHED_BATCH (Linux): the kernel never lets a woken batch task preempt the running
-    one, which is what a worker woken by its next task did to the training thread inside the
-    pipe write of `submit` even at nice +5 (measured, same setting: the write took 0.8 ms of a
-    0.9 ms next() on average; a CPU-bound worker loses nothing by it). Only this process's
-    policy changes; an unprivileged process may always choose it.
-    """
-    try:
-        os.nice(_WORKER_NICE)
-    except OSError:  # not permitted here: run at the inherited priority
-        pass
-    batch = getattr(os, "SCHED_BATCH", None)
-    if batch is not None:
-        try:
-            os.sched_setscheduler(0, batch, os.sched_param(0))
-        except OSError:  # not permitted, or not Linux: keep the normal policy
-            pass
-
-
 class ProcessPool:
     """Worker processes; tasks are dealt round-robin, results reordered by task id.
 
@@ -252,10 +237,17 @@ class ProcessPool:
     """
 
     def __init__(self, producer: BatchProducer, num_workers: int, *, context: str | None = None,
-                 timeout: float | None = None, prefetch_factor: int = 2) -> None:
+                 timeout: float | None = None, prefetch_factor: int = 2,
+                 worker_dataset: Any = None) -> None:
+        """`context`: the start method's name (None: "fork"). Under "spawn" and "forkserver"
+        the producer (its dataset, transform, collate_fn) is pickled to each worker, so they
+        must be importable, as DataLoader needs them. `worker_dataset` is what
+        `get_worker_info().dataset` is in a worker (the user's dataset; None: the producer's)."""
         ctx = torch_mp.get_context(context or "fork")
         if ctx.get_start_method() == "fork":
             producer.warm_up()  # workers inherit the imports instead of each paying for them
+        if worker_dataset is None:
+            worker_dataset = producer.dataset
         self.timeout = timeout
         self._closed = False
         # A SimpleQueue: each worker writes its (small) result message itself, under the
@@ -277,20 +269,25 @@ class ProcessPool:
         self._receiver = threading.Thread(target=self._receive, name="shardloader-receiver",
                                           daemon=True)
         _LIVE_POOLS.add(self)  # before forking: each worker closes what it must not hold
-        parent_pid, use_signal = os.getpid(), started_from_main_thread()
+        training, use_signal = this_process(), started_from_main_thread()
         try:
             for worker_id, tasks in enumerate(self._task_queues):
+                start = WorkerStart(worker_id, num_workers, training, use_signal, worker_dataset)
                 process = ctx.Process(
                     target=_worker_main,
-                    args=(worker_id, producer, tasks, self._results, self._slot_returns[worker_id],
-                          parent_pid, use_signal),
+                    args=(start, producer, tasks, self._results, self._slot_returns[worker_id]),
                     name=f"shardloader-worker-{worker_id}",
                     daemon=True,
                 )
                 process.start()
                 self._workers.append(process)
-        except BaseException:
+        except BaseException as e:
             self.close()
+            if ctx.get_start_method() != "fork" and isinstance(e, _PICKLING_ERRORS):
+                e.add_note(f"shardloader: under multiprocessing_context={ctx.get_start_method()!r} "
+                           f"the dataset, transform, collate_fn and worker_init_fn are pickled to "
+                           f"each worker: define them at module level (not lambdas or local "
+                           f"functions), in a module the workers can import")
             raise
         _POOL_THREADS.add(self._receiver)
         self._receiver.start()
@@ -332,6 +329,8 @@ class ProcessPool:
                     payload = (self._slots.unpack(worker_id, packed, wanted), timings)
                 except Exception as e:  # noqa: BLE001 - reported to whoever waits for it
                     ok, payload = False, f"receiving its batch failed: {type(e).__name__}: {e}"
+            elif isinstance(payload, FailureRecord):  # the dataset's error: this batch only
+                ok, payload = True, (BatchFailure(rebuild(payload)), BatchTimings())
             with self._cond:
                 if wanted and task_id in self._assigned:
                     self._done[task_id] = (ok, payload)
@@ -354,6 +353,8 @@ class ProcessPool:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         with self._cond:
             while task_id not in self._done:
+                if task_id not in self._assigned:  # discarded (a new epoch) or closed meanwhile
+                    raise WorkerError(f"batch task {task_id} was discarded while it was awaited")
                 if self._receiver_error is not None:
                     raise WorkerError(f"receiving batches from the workers failed while batch "
                                       f"task {task_id} was pending: {self._receiver_error}")
@@ -478,7 +479,8 @@ def end_pools_at_exit(timeout: float = EXIT_JOIN_SECONDS) -> None:
 
 
 def make_pool(producer: BatchProducer, num_workers: int, worker_type: str, *,
-              context: str | None = None, timeout: float | None = None, prefetch_factor: int = 2) -> Any:
+              context: str | None = None, timeout: float | None = None, prefetch_factor: int = 2,
+              worker_dataset: Any = None) -> Any:
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     if num_workers == 0:
@@ -487,7 +489,7 @@ def make_pool(producer: BatchProducer, num_workers: int, worker_type: str, *,
         return ThreadPool(producer, num_workers, timeout=timeout)
     if worker_type == "process":
         return ProcessPool(producer, num_workers, context=context, timeout=timeout,
-                           prefetch_factor=prefetch_factor)
+                           prefetch_factor=prefetch_factor, worker_dataset=worker_dataset)
     raise ValueError(f"worker_type must be 'process' or 'thread', got {worker_type!r}")
 
 

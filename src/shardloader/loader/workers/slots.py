@@ -13,8 +13,9 @@ The loader hands the tensors out as views of the slot (no copy), and the slot go
 worker once every one of them is gone: each tensor's memory is a numpy view of the slot whose
 finalizer gives it back (see `SlotReader._lend`). Whatever the user keeps (a view, a numpy
 array of it, the storage) keeps the slot lent, so a lent slot is never written while anything can still
-read it; the worker makes another slot meanwhile (it never waits). Each tensor has its own
-storage of exactly its bytes (`torch.save` of a label writes the label, not the slot). A
+read it; the worker makes another slot meanwhile (it never waits). Each storage of the batch
+comes back as a storage of exactly the bytes its tensors use (`torch.save` of a label writes
+the label, not the slot). A
 worker lends at most `LEND_PER_WORKER` slots at once; beyond that (a script that keeps every
 batch) the batch is copied out into private memory and its slot given back at once, so
 slots, their memory and their file descriptors stay bounded.
@@ -24,9 +25,11 @@ about 13 us per 112 px sample (a 2.4 MB memcpy into fresh pages, on the receiver
 competes with the training thread for the GIL and with the workers for the cores), and the
 copies' freed memory stayed in glibc's heap.
 
-Exactness: tensors travel byte for byte, with their dtype and shape. Anything that is not a
-plain CPU tensor (numpy arrays, strings, tensors that need grad, sparse or quantized ones, ...)
-stays in the structure and is pickled as before.
+Exactness: tensors travel byte for byte, with their dtype, shape, strides and the views
+they share, in any nesting of dicts, lists, tuples and namedtuples
+(`shardloader.loader.workers.structure`). Anything else (numpy arrays, strings, tensors that
+need grad, sparse, quantized or nested ones, ...) stays in the structure and is pickled with
+it, and a batch the slots cannot take apart at all travels pickled whole: never an error.
 """
 
 from __future__ import annotations
@@ -43,6 +46,14 @@ import numpy as np
 import torch
 
 from shardloader.loader.workers.frames import frame
+from shardloader.loader.workers.structure import (
+    Span,
+    TensorSpec,
+    build,
+    extract,
+    plan_spans,
+    restore,
+)
 
 _ALIGN = 64
 _MIN_SLOT_BYTES = 1 << 20
@@ -52,19 +63,6 @@ _MIN_SLOT_BYTES = 1 << 20
 LEND_PER_WORKER = 4
 #: Room `allocate` leaves after the reserved tensor for the batch's other tensors (labels...).
 _RESERVE_EXTRA = 64 << 10
-# dtypes whose bytes can be viewed as uint8 and rebuilt exactly
-_PLAIN_DTYPES = frozenset({
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
-    torch.complex128,
-})
-
-
-@dataclass(frozen=True)
-class TensorRef:
-    """Stands in the structure for tensor `index` of the batch's slot layout."""
-
-    index: int
 
 
 @dataclass(frozen=True)
@@ -72,47 +70,24 @@ class Packed:
     """A batch on its way to the loader: structure with TensorRefs, and where they lie."""
 
     structure: Any
-    slot: int | None  # None: no tensors travelled through a slot
-    layout: tuple[tuple[int, tuple[int, ...], torch.dtype], ...]  # (offset, shape, dtype)
+    slot: int | None  # None: no bytes travelled through a slot
+    spans: tuple[tuple[int, int], ...]  # per storage: (offset in the slot, nbytes)
+    layout: tuple[TensorSpec, ...]  # per tensor: where in which span (see `structure`)
     new_slots: dict[int, torch.UntypedStorage]
     retired: tuple[int, ...]
-
-
-def _plain(value: Any) -> bool:
-    return (type(value) is torch.Tensor and value.device.type == "cpu"
-            and value.layout == torch.strided and value.dtype in _PLAIN_DTYPES
-            and not value.requires_grad and not value.is_conj() and not value.is_neg())
-
-
-def _extract(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """`value` with each plain tensor replaced by a TensorRef (dicts, lists, tuples walked)."""
-    if _plain(value):
-        tensors.append(value)
-        return TensorRef(len(tensors) - 1)
-    if type(value) is dict:
-        return {k: _extract(v, tensors) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_extract(v, tensors) for v in value)
-    return value
-
-
-def _restore(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if type(value) is TensorRef:
-        return tensors[value.index]
-    if type(value) is dict:
-        return {k: _restore(v, tensors) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_restore(v, tensors) for v in value)
-    return value
 
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's bytes as a flat uint8 numpy view (the tensor must be contiguous)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
+def _storage_bytes(storage: torch.UntypedStorage) -> np.ndarray:
+    """The storage's bytes as a flat uint8 numpy view."""
+    return torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+
+
+#: What `allocate` reserved: (slot, the tensor made there, its new storage and retired ids).
+_Reservation = tuple[int, torch.Tensor, dict[int, torch.UntypedStorage], tuple[int, ...]]
 
 
 class SlotWriter:
@@ -125,7 +100,7 @@ class SlotWriter:
         self._free: list[int] = []
         self._next_id = 0
         # allocate(): (slot, tensor made there, its new storage and retired ids, if any)
-        self._reserved: tuple[int, torch.Tensor, dict[int, torch.UntypedStorage], tuple[int, ...]] | None = None
+        self._reserved: _Reservation | None = None
         # from reservations given back unused: still to be sent with the next batch
         self._pending_new: dict[int, torch.UntypedStorage] = {}
         self._pending_retired: tuple[int, ...] = ()
@@ -155,39 +130,70 @@ class SlotWriter:
         self._pending_retired += retired
 
     def pack(self, batch: Any) -> Packed:
-        tensors: list[torch.Tensor] = []
-        structure = _extract(batch, tensors)
+        """`batch` for the loader: its tensors' bytes in a slot, the rest in the structure.
+        A batch the slots cannot take apart (a structure that refers to itself, say) travels
+        whole, pickled."""
         reserved, self._reserved = self._reserved, None
-        placed = -1  # index of the tensor already in the reserved slot at offset 0
-        if reserved is not None:
-            placed = next((i for i, t in enumerate(tensors) if t is reserved[1]), -1)
-            if placed < 0:  # not in this batch: the slot is free again
-                self._reserved = reserved
-                self._release_reserved()
-        if not tensors:
-            return self._with_pending(Packed(batch, None, (), {}, ()))
-        tensors = [t.contiguous() for t in tensors]
-        order = ([placed] if placed >= 0 else []) + [i for i in range(len(tensors)) if i != placed]
-        starts = [0] * len(tensors)
-        offset = 0
-        for i in order:
-            starts[i] = offset
-            offset += _aligned(tensors[i].numel() * tensors[i].element_size())
-        layout = [(starts[i], tuple(t.shape), t.dtype) for i, t in enumerate(tensors)]
-        if placed >= 0 and self._slots[reserved[0]].numel() >= offset:
+        tensors: list[torch.Tensor] = []
+        try:
+            structure = extract(batch, tensors)
+            spans, specs = plan_spans(tensors)
+        except Exception:  # noqa: BLE001 - never fail a batch over its transport
+            structure, spans, specs = batch, [], []
+        return self._with_pending(self._place(structure, spans, specs, reserved))
+
+    def _place(self, structure: Any, spans: list[Span], specs: list[TensorSpec],
+               reserved: _Reservation | None) -> Packed:
+        """The spans copied into a slot (the reserved one where they fit after what was
+        built in it), and the Packed that says where."""
+        # Spans on the reserved slot's storage (the tensor `allocate` made, and views of it)
+        # lie in it already, where they are: they stay there, the rest goes after them.
+        base = None if reserved is None else self._slots[reserved[0]].untyped_storage().data_ptr()
+        placed = [span.storage.data_ptr() == base for span in spans]
+        if reserved is not None and not any(placed):  # not in this batch: the slot is free again
+            self._reserved = reserved
+            self._release_reserved()
+            reserved = None
+        if not spans:  # no tensor has bytes: nothing needs a slot
+            return Packed(structure, None, (), tuple(specs), {}, ())
+        offsets, end = self._offsets(spans, placed)
+        if reserved is not None and self._slots[reserved[0]].numel() >= end:
             slot, new_slots, retired = reserved[0], reserved[2], reserved[3]
         else:
-            if placed >= 0:  # the rest does not fit after it: copy all into a larger slot
+            if reserved is not None:  # the rest does not fit after it: copy all into a larger slot
                 self._reserved = reserved
                 self._release_reserved()
-                placed = -1
-            slot, new_slots, retired = self._take(offset)
+                placed = [False] * len(spans)
+                offsets, end = self._offsets(spans, placed)
+            slot, new_slots, retired = self._take(end)
         buffer = self._slots[slot].numpy()
-        for i, ((start, _, _), t) in enumerate(zip(layout, tensors)):
-            if t.numel() and i != placed:
-                data = _bytes_of(t)
-                buffer[start:start + data.size] = data
-        return self._with_pending(Packed(structure, slot, tuple(layout), new_slots, retired))
+        for span, offset, in_place in zip(spans, offsets, placed):
+            if not in_place:
+                source = _storage_bytes(span.storage)[span.start:span.start + span.nbytes]
+                buffer[offset:offset + span.nbytes] = source
+        where = tuple((offset, span.nbytes) for offset, span in zip(offsets, spans))
+        return Packed(structure, slot, where, tuple(specs), new_slots, retired)
+
+    @staticmethod
+    def _offsets(spans: list[Span], placed: list[bool]) -> tuple[list[int], int]:
+        """Where each span goes in the slot (placed ones where they are), and the bytes used."""
+        end = max((_aligned(s.start + s.nbytes) for s, p in zip(spans, placed) if p), default=0)
+        offsets = []
+        for span, in_place in zip(spans, placed):
+            if in_place:
+                offsets.append(span.start)
+            else:
+                offsets.append(end)
+                end += _aligned(span.nbytes)
+        return offsets, end
+
+    def unsent(self, packed: Packed) -> None:
+        """`packed` could not be sent (its structure does not pickle): its slot is free again,
+        and the slots it made or retired go with the next batch."""
+        if packed.slot is not None:
+            self._free.append(packed.slot)
+        self._pending_new.update(packed.new_slots)
+        self._pending_retired += packed.retired
 
     def _with_pending(self, packed: Packed) -> Packed:
         """`packed` carrying also the slots made (or retired) by reservations never used."""
@@ -196,7 +202,7 @@ class SlotWriter:
         new_slots = {**self._pending_new, **packed.new_slots}
         retired = self._pending_retired + packed.retired
         self._pending_new, self._pending_retired = {}, ()
-        return Packed(packed.structure, packed.slot, packed.layout, new_slots, retired)
+        return Packed(packed.structure, packed.slot, packed.spans, packed.layout, new_slots, retired)
 
     def _take(self, nbytes: int) -> tuple[int, dict[int, torch.UntypedStorage], tuple[int, ...]]:
         while not self._returned.empty():
@@ -248,16 +254,20 @@ class SlotReader:
         for slot in packed.retired:
             self._slots.pop((worker, slot), None)
         self.give_back_freed()
-        if packed.slot is None:
-            return packed.structure if wanted else None
+        if packed.slot is None:  # no bytes in a slot (zero-size tensors at most)
+            if not wanted:
+                return None
+            if not packed.layout:
+                return packed.structure
+            return restore(packed.structure, build(packed.layout, []))
         if not wanted:
             self._send(worker, packed.slot)
             return None
         buffer = self._slots[worker, packed.slot]
         if self._lent[worker] < self._lend_per_worker:
-            return _restore(packed.structure, self._lend(worker, packed, buffer))
+            return restore(packed.structure, build(packed.layout, self._lend(worker, packed, buffer)))
         try:
-            return _restore(packed.structure, _copied(packed.layout, buffer))
+            return restore(packed.structure, build(packed.layout, _copied(packed.spans, buffer)))
         finally:
             self._send(worker, packed.slot)
 
@@ -274,32 +284,23 @@ class SlotReader:
             os.write(self._returns[worker]._writer.fileno(), frame(slot))
 
     def _lend(self, worker: int, packed: Packed, buffer: np.ndarray) -> list[torch.Tensor]:
-        """The batch's tensors as views of the slot, each with a storage of exactly its bytes.
+        """The batch's spans as views of the slot: one flat uint8 tensor per span, each with a
+        storage of exactly its bytes (the batch's tensors are then made on them).
 
         They are made from slices of one memoryview of one numpy view of the slot: every slice
         keeps that numpy view alive, so its finalizer runs once, when the last tensor (or
         anything made from one) is gone, in whichever thread drops it (the training thread,
         the garbage collector). It only appends to a deque (thread-safe, never blocks);
         `give_back_freed` sends the slot home."""
-        spans = [(start, math.prod(shape) * dtype.itemsize) for start, shape, dtype in packed.layout]
-        used = [(start, nbytes) for start, nbytes in spans if nbytes]
-        if not used:  # only empty tensors: nothing lies in the slot
-            self._send(worker, packed.slot)
-            return [torch.empty(shape, dtype=dtype) for _, shape, dtype in packed.layout]
-        low = min(start for start, _ in used)
-        lent = buffer[low:max(start + nbytes for start, nbytes in used)]
+        low = min(start for start, _ in packed.spans)
+        lent = buffer[low:max(start + nbytes for start, nbytes in packed.spans)]
         whole = memoryview(lent)
-        tensors = []
-        for (start, nbytes), (_, shape, dtype) in zip(spans, packed.layout):
-            if nbytes == 0:
-                tensors.append(torch.empty(shape, dtype=dtype))
-            else:
-                part = whole[start - low:start - low + nbytes]
-                tensors.append(torch.frombuffer(part, dtype=dtype).view(shape))
+        bases = [torch.frombuffer(whole[start - low:start - low + nbytes], dtype=torch.uint8)
+                 for start, nbytes in packed.spans]
         with self._lock:
             self._lent[worker] += 1
         weakref.finalize(lent, self._freed.append, (worker, packed.slot)).atexit = False
-        return tensors
+        return bases
 
     def give_back_freed(self) -> None:
         """Send the slots whose tensors are all gone back to their workers (either thread).
@@ -321,14 +322,11 @@ class SlotReader:
         self._slots.clear()
 
 
-def _copied(layout: tuple[tuple[int, tuple[int, ...], torch.dtype], ...],
-            buffer: np.ndarray) -> list[torch.Tensor]:
-    """The layout's tensors copied out of the slot into private memory."""
-    tensors = []
-    for start, shape, dtype in layout:
-        out = torch.empty(shape, dtype=dtype)
-        if out.numel():
-            target = _bytes_of(out)
-            np.copyto(target, buffer[start:start + target.size])
-        tensors.append(out)
-    return tensors
+def _copied(spans: tuple[tuple[int, int], ...], buffer: np.ndarray) -> list[torch.Tensor]:
+    """The spans copied out of the slot into private memory (flat uint8 tensors)."""
+    bases = []
+    for start, nbytes in spans:
+        base = torch.empty(nbytes, dtype=torch.uint8)
+        np.copyto(base.numpy(), buffer[start:start + nbytes])
+        bases.append(base)
+    return bases
