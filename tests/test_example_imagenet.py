@@ -29,15 +29,10 @@ import inspect
 import io
 import json
 import os
-import queue
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import threading
-import time
-import uuid
 from collections import Counter
 from typing import Any
 
@@ -45,20 +40,17 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoint import free_port
-from tests.proctree import descendants, wait_gone, with_env
+from tests.integration_runs import ROOT, env, records, run, run_and_kill
 from tests.resume import assert_identical
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples", "imagenet")
 BASELINE, PORT = os.path.join(EXAMPLES, "main_dataloader.py"), os.path.join(EXAMPLES, "main.py")
 RECORDER = os.path.abspath(__file__)
 RECORD_ENV, KILL_ENV = "IMAGENET_RECORD", "IMAGENET_KILL"
-MARKER = "SHARDLOADER_TEST_RUN"  # in every process of a run, orphans included
 MAX_CHANGED_LINES = 40
 
 TRAIN, VAL, EPOCHS, SAVE_EVERY, LR = 40, 21, 2, 5, 0.1
 STEPS = 10  # per epoch: 40 samples, batch 4 in one process, 2 per rank under torchrun
-DEADLINE, ORPHAN_DEADLINE = 240.0, 10.0
 
 
 # ------------------------------------------------------------------------------ the recorder
@@ -167,75 +159,29 @@ def _command(nproc: int) -> list[str]:
             *_arguments(4 // nproc)]
 
 
-def _env(record: str, kill: str = "", marker: str = "") -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT]),
-            "OMP_NUM_THREADS": "1", RECORD_ENV: record, KILL_ENV: kill, MARKER: marker}
+def _env(record: str, kill: str = "") -> dict[str, str]:
+    return env(**{RECORD_ENV: record, KILL_ENV: kill})
 
 
 def _run(nproc: int, out: str, name: str) -> None:
     """One run to its end, in `out` (where it keeps checkpoint.pth.tar), recording to `name`."""
-    with open(os.path.join(out, f"{name}-stderr.txt"), "w") as stderr:
-        proc = subprocess.run(_command(nproc), cwd=out, env=_env(os.path.join(out, name + "-{rank}.jsonl")),
-                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
-                              timeout=300)
-    assert proc.returncode == 0, open(os.path.join(out, f"{name}-stderr.txt")).read()[-4000:]
+    run(_command(nproc), cwd=out, env=_env(os.path.join(out, name + "-{rank}.jsonl")),
+        stderr=os.path.join(out, f"{name}-stderr.txt"))
 
 
 def _run_and_kill(nproc: int, out: str, name: str, kill: str) -> None:
     """Start a run; when rank 0 parks at `kill`, SIGKILL every process of it (torchrun's ranks
     run in sessions of their own, so the whole tree, not just the group); then no process of
     the run may be left within seconds."""
-    marker = uuid.uuid4().hex
-    with open(os.path.join(out, f"{name}-stderr.txt"), "w") as stderr:
-        proc = subprocess.Popen(_command(nproc), cwd=out, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=stderr, text=True, start_new_session=True,
-                                env=_env(os.path.join(out, name + "-{rank}.jsonl"), kill, marker))
-    lines: queue.SimpleQueue[str | None] = queue.SimpleQueue()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for text in proc.stdout:
-            lines.put(text)
-        lines.put(None)  # end of file: the run ended
-
-    threading.Thread(target=read, daemon=True).start()
-    try:
-        deadline = time.monotonic() + DEADLINE
-        while True:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                line = ""
-            if not line:
-                pytest.fail(f"no 'KILL {kill}' ({'the run ended' if line is None else 'timed out'}, "
-                            f"rc={proc.poll()}): "
-                            + open(os.path.join(out, f"{name}-stderr.txt")).read()[-3000:])
-            if line.rstrip("\n").endswith(f"KILL {kill}"):  # another rank's output may precede it
-                break
-        tree = descendants(proc.pid)
-        # one process: its Loader's worker; under torchrun: the ranks (and the workers they run)
-        assert len(tree) >= (nproc if nproc > 1 else 1), [p.describe() for p in tree]
-        for p in tree:
-            os.kill(p.pid, signal.SIGKILL)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-        assert proc.returncode == -signal.SIGKILL
-        left = wait_gone(tree + with_env(MARKER, marker), ORPHAN_DEADLINE)
-        assert not left, "alive after the SIGKILL: " + "; ".join(p.describe() for p in left)
-    finally:
-        for p in with_env(MARKER, marker):
-            os.kill(p.pid, signal.SIGKILL)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
-        assert proc.stdin is not None
-        proc.stdin.close()
+    # one process: its Loader's worker; under torchrun: the ranks (and the workers they run)
+    run_and_kill(_command(nproc), cwd=out, env=_env(os.path.join(out, name + "-{rank}.jsonl"), kill),
+                 stderr=os.path.join(out, f"{name}-stderr.txt"), announce=f"KILL {kill}",
+                 at_least=nproc if nproc > 1 else 1)
 
 
 def _events(out: str, name: str, rank: int) -> list[dict]:
     """The complete lines of a record (a SIGKILL may cut the last one short)."""
-    with open(os.path.join(out, f"{name}-{rank}.jsonl")) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
+    return records(os.path.join(out, f"{name}-{rank}.jsonl"))
 
 
 def _checkpoint(out: str, name: str = "checkpoint.pth.tar") -> dict:

@@ -15,30 +15,20 @@ rank, in order.
 
 from __future__ import annotations
 
-import json
 import os
-import queue
-import signal
-import subprocess
 import sys
-import threading
-import time
-import uuid
 
 import pytest
 
 from shardloader.ingest.writer import write_shards
 from shardloader.synthetic import make_image_samples
-from tests.proctree import descendants, wait_gone, with_env
+from tests import integration_runs as runs
 
 pytest.importorskip("accelerate")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLE = os.path.join(ROOT, "examples", "accelerate_train.py")
+EXAMPLE = os.path.join(runs.ROOT, "examples", "accelerate_train.py")
 SAMPLES, BATCH = 48, 4  # 12 steps an epoch in one process, 6 in two
 STEPS, EVERY = 18, 4
-MARKER = "SHARDLOADER_TEST_RUN"  # in every process of a run, orphans included
-ORPHAN_DEADLINE = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -58,64 +48,18 @@ def _command(nproc: int, data: str, out: str, name: str, wait_after: int = 0) ->
             "--cpu", "--wait-after", str(wait_after), "--record", os.path.join(out, name + "-{rank}.jsonl")]
 
 
-def _env(marker: str = "") -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT]),
-            "OMP_NUM_THREADS": "1", MARKER: marker}
-
-
 def _run(cmd: list[str], out: str) -> None:
-    with open(os.path.join(out, "stderr.txt"), "w") as stderr:
-        proc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=stderr,
-                              text=True, timeout=300)
-    assert proc.returncode == 0, open(os.path.join(out, "stderr.txt")).read()[-4000:]
+    runs.run(cmd, cwd=runs.ROOT, env=runs.env(), stderr=os.path.join(out, "stderr.txt"))
 
 
 def _run_and_kill(cmd: list[str], out: str, kill_step: int, nproc: int) -> None:
     """Start the run, which stops after step `kill_step` (every process waits there, so no
     further checkpoint can complete); when its main process says so, SIGKILL every process of
     the run; then none may be left within seconds."""
-    marker = uuid.uuid4().hex
-    with open(os.path.join(out, "killed-stderr.txt"), "w") as stderr:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(marker), stdout=subprocess.PIPE, stderr=stderr,
-                                text=True, start_new_session=True)
-    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    try:
-        deadline, want = time.monotonic() + 240, f"STEP {kill_step}"
-        while True:
-            try:
-                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"no {want!r} within 240 s (rc={proc.poll()})")
-            if line.strip() == want:
-                break
-        tree = descendants(proc.pid)
-        # Below the process started: its loader worker; under torchrun, the ranks and theirs.
-        assert len(tree) >= (1 if nproc == 1 else 2 * nproc), [p.describe() for p in tree]
-        for p in tree:  # torchrun's ranks are in sessions of their own: kill the whole tree
-            os.kill(p.pid, signal.SIGKILL)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-        assert proc.returncode == -signal.SIGKILL
-        left = wait_gone(tree + with_env(MARKER, marker), ORPHAN_DEADLINE)
-        assert not left, "alive after the SIGKILL: " + "; ".join(p.describe() for p in left)
-    finally:
-        for p in with_env(MARKER, marker):
-            os.kill(p.pid, signal.SIGKILL)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=60)
-
-
-def _lines(path: str) -> list[dict]:
-    """The complete lines of a record file (a SIGKILL may cut the last one short)."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
-
-
-def _complete_steps(out: str) -> list[int]:
-    names = os.listdir(os.path.join(out, "ckpt"))
-    return sorted(int(n[5:]) for n in names if n.startswith("step-") and not n.endswith(".partial"))
+    # Below the process started: its loader worker; under torchrun, the ranks and theirs.
+    runs.run_and_kill(cmd, cwd=runs.ROOT, env=runs.env(), announce=f"STEP {kill_step}",
+                      at_least=1 if nproc == 1 else 2 * nproc,
+                      stderr=os.path.join(out, "killed-stderr.txt"))
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +71,7 @@ def references(data, tmp_path_factory):
         if nproc not in found:
             out = str(tmp_path_factory.mktemp(f"accelerate-ref-{nproc}"))
             _run(_command(nproc, data, out, "run"), out)
-            found[nproc] = [_lines(os.path.join(out, f"run-{r}.jsonl")) for r in range(nproc)]
+            found[nproc] = [runs.records(os.path.join(out, f"run-{r}.jsonl")) for r in range(nproc)]
             for lines in found[nproc]:
                 assert [line["step"] for line in lines] == list(range(1, STEPS + 1))
         return found[nproc]
@@ -146,7 +90,7 @@ def test_killed_run_resumes_with_the_uninterrupted_batches(data, references, tmp
     out = str(tmp_path)
     for segment, (kill_step, saved) in enumerate(kills):
         _run_and_kill(_command(nproc, data, out, f"segment{segment}", kill_step), out, kill_step, nproc)
-        assert _complete_steps(out) == list(range(EVERY, saved + 1, EVERY))
+        assert runs.complete_steps(os.path.join(out, "ckpt")) == list(range(EVERY, saved + 1, EVERY))
         files = set(os.listdir(os.path.join(out, "ckpt", f"step-{saved:06d}")))
         # Accelerate's files; the loader's cursor is the one registered custom object.
         assert {"model.safetensors", "optimizer.bin", "custom_checkpoint_0.pkl"} <= files
@@ -155,19 +99,5 @@ def test_killed_run_resumes_with_the_uninterrupted_batches(data, references, tmp
 
     bounds = [0] + [saved for _, saved in kills] + [STEPS]
     for rank in range(nproc):
-        got: list[dict] = []
-        for segment in range(len(kills) + 1):
-            lines = _lines(os.path.join(out, f"segment{segment}-{rank}.jsonl"))
-            kept = [line for line in lines if line["step"] <= bounds[segment + 1]]
-            assert [line["step"] for line in kept] == list(range(bounds[segment] + 1, bounds[segment + 1] + 1)), (
-                f"rank {rank}, segment {segment}: did not run from step {bounds[segment] + 1}")
-            got.extend(kept)
-        assert_same_lines(got, reference[rank], f"rank {rank}")
-
-
-def assert_same_lines(got: list[dict], want: list[dict], what: str) -> None:
-    """The same per-step lines, in order; the message names the first step and field that differ."""
-    for g, w in zip(got, want):
-        differ = [key for key in w if g.get(key) != w[key]]
-        assert not differ, f"{what}: step {w['step']} differs in {differ}: {g} vs {w}"
-    assert len(got) == len(want), f"{what}: {len(got)} steps, expected {len(want)}"
+        got = runs.stitched(os.path.join(out, "segment{segment}-{rank}.jsonl"), bounds, rank)
+        runs.assert_same_lines(got, reference[rank], f"rank {rank}")

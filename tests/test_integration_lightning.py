@@ -28,14 +28,12 @@ import pytest
 import torch
 
 from shardloader import Dataset, Loader
-from tests.proctree import wait_gone, with_env
+from tests.integration_runs import ROOT, describe, env, kill_marked, survivors
 from tests.resume import RecordedBatch, assert_same_batches, take
 
 lightning_data = pytest.importorskip("lightning.fabric.utilities.data")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "lightning_train.py")
-MARK = "SHARDLOADER_LIGHTNING_TEST"  # in every process a run starts (inherited): finds orphans
 SAMPLES, BATCH, EVERY, EPOCHS = 48, 8, 2, 3  # the example's settings for these runs
 RUN_SECONDS = 240
 
@@ -56,7 +54,7 @@ class Started:
 
     name: str
     proc: subprocess.Popen
-    token: str  # its MARK value
+    token: str  # its MARKER value: in every process it starts (inherited), orphans included
     record: str  # the record path, with {rank}
     log: str
     devices: int
@@ -75,14 +73,10 @@ def _start(work: str, name: str, *, crash_after: int | None = None, devices: int
     if crash_after is not None:
         cmd += ["--crash-after-step", str(crash_after)]
     token = uuid.uuid4().hex
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update({"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT]),
-                "OMP_NUM_THREADS": "1", MARK: token})
     log = os.path.join(work, f"{name}.log")
     # Output to a file, not a pipe: a surviving rank must not keep the test waiting on the pipe.
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=work, env=env(token), stdout=out, stderr=subprocess.STDOUT)
     return Started(name, proc, token, record, log, devices, crash_after)
 
 
@@ -94,12 +88,10 @@ def _finish(run: Started) -> Run:
         run.proc.kill()
         run.proc.wait(10)
         rc = None
-    left = wait_gone(with_env(MARK, run.token), timeout=20)
-    for p in left:  # do not leak them into later tests; the assertion below still fails
-        os.kill(p.pid, signal.SIGKILL)
+    left = survivors(run.token, timeout=20)  # SIGKILLed: no leak into later tests; still a failure
     with open(run.log) as f:
         tail = f.read()[-4000:]
-    assert not left, f"{run.name}: processes left after the run: {[p.describe() for p in left]}"
+    assert not left, f"{run.name}: processes left after the run: {describe(left)}"
     expected = -signal.SIGKILL if run.crash_after is not None else 0
     assert rc == expected, f"{run.name}: exit code {rc}, expected {expected}\n{tail}"
     events = {}
@@ -119,8 +111,7 @@ def _finish_all(started: list[Started]) -> list[Run]:
         return [_finish(run) for run in started]
     except BaseException:
         for run in started:
-            for p in with_env(MARK, run.token):
-                os.kill(p.pid, signal.SIGKILL)
+            kill_marked(run.token)
             run.proc.kill()
             run.proc.wait(10)
         raise

@@ -407,3 +407,59 @@ def test_len_is_what_a_pass_yields_on_every_rank_with_a_partial_tail(rank):
                                                            world_size=3, tail="partial")], [])
                            for r in range(3)), []))
     assert everyone == list(range(19))  # a set check: which rank reads what is the order's business
+
+
+@pytest.mark.parametrize("argument,value,error,named", [
+    ("num_workers", 1.5, TypeError, "num_workers must be an integer"),
+    ("num_workers", "2", TypeError, "num_workers must be an integer"),
+    ("prefetch_factor", "2", TypeError, "prefetch_factor must be an integer"),
+    ("prefetch_factor", 2.0, TypeError, "prefetch_factor must be an integer"),
+    ("timeout", "5", TypeError, "timeout must be a number"),
+    ("seed", 1.7, TypeError, "seed must be an integer"),
+    ("seed", "1", TypeError, "seed must be an integer"),
+])
+def test_arguments_of_the_wrong_type_are_refused_naming_them(argument, value, error, named):
+    kwargs = {"num_workers": 2} if argument == "prefetch_factor" else {}
+    with pytest.raises(error, match=named):
+        Loader(list(range(8)), batch_size=2, **{**kwargs, argument: value})
+
+
+def test_drop_last_with_a_batch_larger_than_the_dataset_warns_once():
+    with pytest.warns(UserWarning, match=r"drop_last=True with 5 samples and a global batch of 8: "
+                                         r"every epoch has no batch"):
+        loader = Loader(list(range(5)), batch_size=8, drop_last=True)
+    assert len(loader) == 0 and list(loader) == []
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_transform_returning_none_is_named_with_the_sample(dataset_dir, workers):
+    def forgetful(sample):
+        sample["crop"] = sample["data"][:4]  # forgot the `return sample`
+
+    loader = make(dataset_dir, transform=forgetful, transform_version="forgetful", num_workers=workers)
+    first = int(loader.step_samples(0, 0)[0])
+    with pytest.raises(TypeError, match=rf"(?s)transform .*forgetful.* returned None for sample {first}"):
+        next(iter(loader))
+    loader.close()
+
+
+def test_a_timeout_is_reported_within_about_its_bound(dataset_dir):
+    """timeout=0.5 with a batch that never comes: the error arrives soon after 0.5 s, not after
+    the workers' shutdown (they are terminated, not waited for)."""
+    import threading
+    import time
+
+    def stuck(sample):
+        threading.Event().wait()
+
+    from shardloader.loader.workers.pool import CLOSE_SECONDS
+
+    loader = make(dataset_dir, transform=stuck, transform_version="stuck", num_workers=2, timeout=0.5)
+    loader._workers.get()  # the workers start now, not inside the timed call
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match="0.5 s timeout"):
+        next(iter(loader))
+    # 0.5 s, then ~0.5 s for the stuck workers before they are terminated; it used to wait the
+    # whole CLOSE_SECONDS for them first (5.6 s in all)
+    assert time.monotonic() - started < CLOSE_SECONDS
+    loader.close()

@@ -9,7 +9,6 @@ poll, with a deadline, until every process of it is gone.
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import socket
 import subprocess
@@ -25,6 +24,7 @@ import pytest
 from shardloader import Dataset, Loader
 from shardloader.errors import StateError, WorkerError
 from shardloader.ingest.writer import write_shards
+from tests.integration_runs import readline
 from tests.proctree import Proc, alive, descendants, wait_gone
 from tests.resume import assert_exact_epoch_loop_resume, epoch_loop, take
 from tests.sample_transforms import make_samples as _samples
@@ -246,17 +246,6 @@ print("LOOP DONE", flush=True)
 """
 
 
-def _readline(proc: subprocess.Popen, timeout: float) -> str:
-    """The next line of proc's stdout, or "" when none comes within `timeout` (never hangs)."""
-    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
-    assert proc.stdout is not None
-    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
-    try:
-        return lines.get(timeout=timeout)
-    except queue.Empty:
-        return ""
-
-
 def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), ROOT]),
             "OMP_NUM_THREADS": "1"}
@@ -274,7 +263,7 @@ def _assert_exits_within_seconds(script_text: str, args: list[str], ready: str,
                                 stdout=subprocess.PIPE, stderr=stderr, text=True, env=_env(),
                                 start_new_session=True)
     try:
-        line = _readline(proc, 120)
+        line = readline(proc, 120)
         assert line.strip() == ready, line + errors.read_text()
         tree = descendants(proc.pid)
         ready_at = time.monotonic()
@@ -388,7 +377,7 @@ def _read_until(proc: subprocess.Popen, prefix: str, count: int, timeout: float)
     found: list[str] = []
     deadline = time.monotonic() + timeout
     while len(found) < count:
-        line = _readline(proc, max(0.0, deadline - time.monotonic()))
+        line = readline(proc, max(0.0, deadline - time.monotonic()))
         if not line:
             raise AssertionError(f"no {count} {prefix!r} lines within {timeout} s (rc={proc.poll()}): {found}")
         found.extend(prefix + rest.rstrip() for rest in line.split(prefix)[1:])

@@ -8,11 +8,9 @@ import gc
 import json
 import multiprocessing
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -24,6 +22,7 @@ from shardloader.ingest.writer import write_shards
 from shardloader.loader.batches import BatchTask
 from shardloader.loader.workers import pool as workers
 from shardloader.loader.workers import slots
+from tests.integration_runs import readline
 from tests.proctree import Proc, alive, descendants, wait_gone
 from tests.resume import assert_identical, assert_same_batches, record
 from tests.sample_transforms import make_samples, noisy_crop
@@ -389,7 +388,7 @@ def test_a_sigkilled_trainer_leaves_no_worker_under_forkserver(dataset_dir, tmp_
                                 start_new_session=True)
     tree: list[Proc] = []
     try:
-        line = _readline(proc, 180)
+        line = readline(proc, 180)
         assert line.startswith("READY"), line + errors.read_text()[-3000:]
         workers = [int(pid) for pid in line.split()[1:]]
         tree = descendants(proc.pid)
@@ -409,17 +408,6 @@ def test_a_sigkilled_trainer_leaves_no_worker_under_forkserver(dataset_dir, tmp_
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
-
-
-def _readline(proc: subprocess.Popen, timeout: float) -> str:
-    """The next line of proc's stdout, or "" when none comes within `timeout` (never hangs)."""
-    lines: queue.SimpleQueue[str] = queue.SimpleQueue()
-    assert proc.stdout is not None
-    threading.Thread(target=lambda: lines.put(proc.stdout.readline()), daemon=True).start()
-    try:
-        return lines.get(timeout=timeout)
-    except queue.Empty:
-        return ""
 
 
 _TARGET = """
@@ -454,9 +442,9 @@ def test_a_process_watching_one_that_is_not_its_parent_dies_with_it(how):
     target = _python(_TARGET)
     watcher = None
     try:
-        pid, start = _readline(target, 60).split()
+        pid, start = readline(target, 60).split()
         watcher = _python(_WATCHER, pid, start, how)
-        assert _readline(watcher, 60).strip() == "WATCHING"
+        assert readline(watcher, 60).strip() == "WATCHING"
         target.kill()  # not reaped yet: a zombie
         assert watcher.wait(timeout=KILL_DEADLINE) == 1
         assert target.poll() == -signal.SIGKILL  # reaped only now
@@ -483,7 +471,7 @@ def test_a_recycled_pid_is_not_taken_for_the_process_to_die_with(how):
             watcher.wait(timeout=30)
     same = _python(_WATCHER, os.getpid(), start, how)  # the right start time: it watches
     try:
-        assert _readline(same, 60).strip() == "WATCHING"
+        assert readline(same, 60).strip() == "WATCHING"
         assert same.poll() is None
     finally:
         same.kill()

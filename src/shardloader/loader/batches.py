@@ -242,6 +242,10 @@ class BatchProducer:
                         result = transform(record)
                 except Exception as e:  # noqa: BLE001 - reported for this sample
                     raise SampleFailed(e, int(samples[i])) from None
+                if result is None:
+                    raise SampleFailed(TypeError(
+                        f"the transform {transform!r} returned None for sample {int(samples[i])}: "
+                        f"a transform must return the (transformed) sample"), int(samples[i]))
                 if isinstance(result, dict):  # keep the bookkeeping fields through the transform
                     for name in ("__index__", "__key__"):
                         if name in record and name not in result:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.context
+import numbers
 import os
 import warnings
 from typing import Any
@@ -102,6 +103,8 @@ def check_worker_arguments(*, num_workers: Any, timeout: Any, prefetch_factor: A
     if num_workers < 0:
         raise ValueError("num_workers option should be non-negative; use num_workers=0 to load in "
                          f"the training process (got num_workers={num_workers})")
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)):
+        raise TypeError(f"timeout must be a number of seconds (or None), got {timeout!r}")
     if timeout is not None and timeout < 0:
         raise ValueError(f"timeout option should be non-negative, got timeout={timeout!r}")
     if worker_type not in ("process", "thread"):
@@ -115,7 +118,9 @@ def check_worker_arguments(*, num_workers: Any, timeout: Any, prefetch_factor: A
         raise ValueError("persistent_workers option needs num_workers > 0 (workers to keep)")
     if num_workers > 0 and prefetch_factor is None:
         return 2
-    if prefetch_factor is not None and (not isinstance(prefetch_factor, int) or prefetch_factor < 1):
+    if prefetch_factor is not None and (not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool)):
+        raise TypeError(f"prefetch_factor must be an integer (or None), got {prefetch_factor!r}")
+    if prefetch_factor is not None and prefetch_factor < 1:
         raise ValueError(f"prefetch_factor must be a positive integer, got {prefetch_factor!r}")
     return prefetch_factor
 
@@ -162,5 +167,23 @@ def warn_worker_count(num_workers: int, worker_type: str) -> None:
             f"{cpus} CPUs: the workers will take turns on them, each with its own memory. "
             f"num_workers={cpus} or fewer is the most that can run at once; lower it unless the "
             f"workers mostly wait on I/O.",
+            UserWarning, stacklevel=4,  # the caller of Loader(...), past __init__ and gc_paused
+        )
+
+
+def check_seed(seed: Any) -> int:
+    """The seed as an int; refuse what is not one (1.7 would silently be 1)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an integer, got {seed!r}")
+    return int(seed)
+
+
+def warn_if_no_batches(num_samples: int, global_batch_size: int, tail: str) -> None:
+    """Warn once when every epoch would have no batch: drop_last with fewer samples than one
+    global batch (DataLoader yields nothing there, silently)."""
+    if tail == "drop" and 0 < num_samples < global_batch_size:
+        warnings.warn(
+            f"drop_last=True with {num_samples} samples and a global batch of {global_batch_size}: "
+            f"every epoch has no batch at all. Lower batch_size, or pass drop_last=False",
             UserWarning, stacklevel=4,  # the caller of Loader(...), past __init__ and gc_paused
         )

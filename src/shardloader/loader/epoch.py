@@ -25,6 +25,9 @@ from shardloader.loader.recording import BatchRecorder
 from shardloader.loader.workers.pool import CLOSE_SECONDS
 from shardloader.runtime.startup import gc_paused, paused_gc
 
+#: How long an iteration that failed waits for its workers to stop before terminating them.
+ERROR_CLOSE_SECONDS = 0.5
+
 
 class EpochIterator:
     """Iterates one epoch of the cursor (`steps` batches in all) for one rank.
@@ -182,7 +185,9 @@ class EpochIterator:
         if self.prefetch is not None:
             self.prefetch.stop(timeout)
         if release:
-            self.workers.release(force=error)
+            # After an error (a timeout, a dead worker) the workers left are not waited for
+            # long: the error reaches the caller within about ERROR_CLOSE_SECONDS of its cause.
+            self.workers.release(force=error, timeout=ERROR_CLOSE_SECONDS if error else CLOSE_SECONDS)
         if self.pinning is not None:  # its fetch ends with its batch, or with the pool
             self.pinning.join(CLOSE_SECONDS if timeout is None else timeout)
 

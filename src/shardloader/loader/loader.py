@@ -32,10 +32,12 @@ from shardloader.loader.batches import BatchProducer, Transform
 from shardloader.loader.collate import collate
 from shardloader.loader.compat import (
     check_dataloader_arguments,
+    check_seed,
     check_worker_arguments,
     check_worker_init,
     resolve_context,
     resolve_tail,
+    warn_if_no_batches,
     warn_worker_count,
 )
 from shardloader.loader.cursor import Cursor
@@ -207,7 +209,7 @@ class Loader(Generic[T_co]):
         self._world_from_group = rank is None or world_size is None  # checked again at iter()
         self.global_batch_size = batch_size * self.world_size
         check_world(self.global_batch_size, self.world_size, self.rank)
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         if partitions is None:
             partitions = MAP_STYLE_PARTITIONS if map_style else DEFAULT_PARTITIONS
         if window is None:
@@ -215,6 +217,7 @@ class Loader(Generic[T_co]):
         self.settings = ShuffleSettings(shuffle=bool(shuffle), partitions=partitions, window=window)
         self.shuffle = self.settings.shuffle
         self.tail = resolve_tail(tail, drop_last, self.world_size)
+        warn_if_no_batches(len(self._data), self.global_batch_size, self.tail)
         self.drop_last = self.tail == "drop"
         self.num_workers = num_workers
         self.worker_type = worker_type
