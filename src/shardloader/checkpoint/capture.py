@@ -3,7 +3,9 @@
 One save captures the model, the optimizer, the loader, the global RNGs and any extra state at
 the same step (invariant I8). One load restores them all, checking first that everything asked
 for is in the checkpoint and can be restored, so a failed load does not leave half the objects
-restored. The loader goes first: its fingerprint check (I5) is the most likely to refuse.
+restored: `shardloader.checkpoint.restore` checks every part against the live objects and
+snapshots them first, applies the loader last (its `load_state_dict` refuses a fingerprint
+difference before it changes anything) and puts everything back if any part fails.
 """
 
 from __future__ import annotations

@@ -282,8 +282,9 @@ class Checkpointer:
         """The step of the newest complete checkpoint that `load()` would use, or None.
 
         With `verify`, every file is checked against the manifest and decoded as data, as
-        `load()` does; a checkpoint that fails is skipped with a CheckpointWarning naming it.
-        Not collective.
+        `load()` does (the same check: they agree); a checkpoint that fails, or whose manifest
+        does not list a file its layout reads (checked also without `verify`), is skipped with a
+        CheckpointWarning naming it. Not collective.
         """
         with self._catalog_lock:
             return restore.newest_usable(self._store, self._layout_named, verify=verify)
@@ -308,7 +309,12 @@ class Checkpointer:
         Model, optimizer, loader, extras (Stateful objects, dicts and lists, in place) and the
         global RNGs are restored, so training continues as if never interrupted. Returns the
         step. A checkpoint whose bytes do not verify or decode is skipped with a warning (with
-        an explicit `step`: a CheckpointError); one that does not fit the objects is an error.
+        an explicit `step`: a CheckpointError); one that does not fit the objects is an error
+        (StateError or CheckpointError naming the checkpoint and what differs).
+
+        All or nothing: when it raises, model, optimizer, loader, extras and the global RNGs are
+        exactly as they were before the call (it holds a host copy of the model's and the
+        optimizer's state meanwhile).
         """
         self._check_open()
         self._group.enter(f"load(step={step})")

@@ -54,7 +54,7 @@ from shardloader.loader.pool_keeper import PoolKeeper
 from shardloader.loader.recording import make_stats
 from shardloader.loader.samplers import LoaderBatchSampler, LoaderSampler
 from shardloader.loader.state import fingerprint_differences, make_state, validate_state
-from shardloader.loader.workers.pool import CLOSE_SECONDS, end_pools_at_exit
+from shardloader.loader.workers.lifetime import CLOSE_SECONDS, end_pools_at_exit
 from shardloader.order.partition import (
     check_world,
     dropped_samples,

@@ -20,10 +20,17 @@ time, so that a pid recycled after its death is never taken for it) and the chil
   there counts as alive until it is reaped).
 - And where the training process is the child's parent (fork, spawn, subprocess), the kernel
   kills the child at once when it dies (`prctl(PR_SET_PDEATHSIG)`). The kernel ties that
-  signal to the *thread* that forked the child, so it is armed only for children started
-  from the parent's main thread (`started_from_main_thread`); otherwise a worker pool created
-  from a short-lived thread would be killed when that thread ends. Under forkserver the
-  parent is the fork server, so it is not armed there.
+  signal to the *thread* that forked the child: a worker pool forked by a short-lived thread
+  would be killed when that thread ends. So children are started through `start_children`:
+  from the main thread directly, from any other thread on one lasting thread of this process
+  (`shardloader-child-starter`, which ends only with the process), and the signal is armed for
+  every one of them. Under forkserver the parent is the fork server, so it is not armed there.
+
+Why the signal matters even with the watch thread: a thread of the child needs the GIL to act
+on the training process's end, and a child busy in C code that holds the GIL (a big-int power,
+a regular expression, many C extensions) does not give it up until that call returns (tests/
+test_worker_startup.py: a worker in such a call outlived its SIGKILLed trainer by as long as
+the call ran). The kernel's signal needs nothing from the child.
 
 `die_with_parent(pid)` is the same for a child that was handed its parent's pid (a script
 started with `subprocess`): there the identity is "this process's parent".
@@ -31,15 +38,21 @@ started with `subprocess`): there the identity is "this process's parent".
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import ctypes.util
 import os
+import queue
 import select
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 PARENT_POLL_SECONDS = 0.5
@@ -172,5 +185,65 @@ def die_with_parent(parent_pid: int, *, use_signal: bool = True,
 
 
 def started_from_main_thread() -> bool:
-    """Whether a child started now may rely on the parent-death signal (see module doc)."""
+    """Whether a child started now from this thread may rely on the parent-death signal (see
+    module doc; children started through `start_children` always may)."""
     return threading.current_thread() is threading.main_thread()
+
+
+class _Starter:
+    """The lasting thread `start_children` runs its work on: a daemon blocked on its queue
+    between jobs, so that it ends only when this process does (never joined: interpreter exit
+    does not wait for it)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()  # a forked child has no such thread: it makes its own
+        self.jobs: queue.SimpleQueue[tuple[concurrent.futures.Future, Callable[[], object]]] = \
+            queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="shardloader-child-starter", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            future, function = self.jobs.get()
+            if not future.set_running_or_notify_cancel():  # its caller gave up before it began
+                continue
+            try:
+                future.set_result(function())
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+                future.set_exception(e)
+
+
+_starter: _Starter | None = None
+_starter_lock = threading.Lock()
+
+
+def _forget_starter_in_child() -> None:
+    """A forked child has no starter thread, and another thread may have held the lock."""
+    global _starter, _starter_lock
+    _starter, _starter_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_starter_in_child)
+
+
+def start_children(function: Callable[[], T], *, timeout: float) -> T:
+    """`function()`, which starts child processes, run on a thread that lasts as long as this
+    process, so that each child may arm the parent-death signal (see the module doc): on the
+    main thread, at once; from any other thread, on the lasting starter thread, waited for up
+    to `timeout` seconds (TimeoutError after that; the job still runs when it has begun).
+    What `function` raises is raised here."""
+    global _starter
+    if started_from_main_thread():
+        return function()
+    with _starter_lock:
+        if _starter is None or _starter.pid != os.getpid():
+            _starter = _Starter()
+        starter = _starter
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    starter.jobs.put((future, function))
+    try:
+        return future.result(timeout)
+    except concurrent.futures.TimeoutError:
+        future.cancel()
+        raise TimeoutError(f"starting child processes took longer than {timeout} s") from None

@@ -2,15 +2,16 @@
 
 Three kinds, same interface (`submit(task)`, `get(task_id)`, `ready()`, `close()`):
 
-- `InlinePool` (num_workers=0): produces in the caller's thread when asked.
-- `ThreadPool`: threads; right when decode releases the GIL (simplejpeg, OpenCV do).
+- `InlinePool` (num_workers=0) and `ThreadPool`, in the training process
+  (`shardloader.loader.workers.inprocess`);
 - `ProcessPool`: worker processes (fork by default, like DataLoader on Linux; "spawn" and
   "forkserver" too). Batches come back through a queue; their tensors travel through
   shared-memory slots that each worker reuses (`shardloader.loader.workers.slots`). A worker
   that dies is detected while waiting and raised as WorkerError naming it — never a hang.
   Workers die with the training process, by any signal, under every start method, and hold
   only their own ends of the pipes (`shardloader.loader.workers.worker_process`,
-  `_close_inherited_ends`).
+  `_close_inherited_ends`). A worker that has not finished starting within
+  `WORKER_START_SECONDS` is a WorkerError naming the start-up step it is stuck in.
 
 `close()` is idempotent and bounded (`CLOSE_SECONDS` by default): what does not stop in time
 is terminated, then killed; it never waits on a thread or a process without a deadline.
@@ -21,16 +22,14 @@ never depends on which worker finished first.
 
 from __future__ import annotations
 
-import concurrent.futures
+import contextlib
 import dataclasses
 import operator
 import os
 import pickle
-import queue
 import signal
 import threading
 import time
-import weakref
 from typing import Any
 
 import torch.multiprocessing as torch_mp
@@ -40,134 +39,47 @@ from shardloader.loader.batches import BatchProducer, BatchTask, BatchTimings
 from shardloader.loader.failures import (
     BatchFailure,
     FailureRecord,
-    in_this_process,
     rebuild,
     record_in_worker,
 )
 from shardloader.loader.workers.frames import ATOMIC_BYTES, frame
+from shardloader.loader.workers.inprocess import InlinePool, ThreadPool
+from shardloader.loader.workers.lifetime import _LIVE_POOLS, _POOL_THREADS, CLOSE_SECONDS
 from shardloader.loader.workers.slots import LEND_PER_WORKER, SlotReader, SlotWriter
-from shardloader.loader.workers.worker_process import WorkerStart, begin_worker
-from shardloader.runtime.child_process import die_with, started_from_main_thread, this_process
+from shardloader.loader.workers.worker_process import (
+    StartProgress,
+    WorkerStart,
+    begin_worker,
+    fork_safe_thread_pools,
+)
+from shardloader.runtime.child_process import die_with, start_children, this_process
 
 #: A batch (or a `BatchFailure` in its place: see `shardloader.loader.failures`) and its timings.
 Result = tuple[Any, BatchTimings]
 _POLL_SECONDS = 0.2
 #: What pickling a worker's arguments raises for what does not pickle (a lambda, a local class).
 _PICKLING_ERRORS = (pickle.PicklingError, AttributeError, TypeError)
-#: How long `close()` lets workers finish before it terminates (then kills) them, in all.
-CLOSE_SECONDS = 5.0
-
-
-class InlinePool:
-    """No workers: each batch is produced when the caller asks for it."""
-
-    def __init__(self, producer: BatchProducer) -> None:
-        self.producer = producer
-        self._tasks: dict[int, BatchTask] = {}
-
-    def submit(self, task: BatchTask) -> None:
-        self._tasks[task.task_id] = task
-
-    def get(self, task_id: int) -> Result:
-        task = self._tasks.pop(task_id)
-        try:
-            return self.producer(task)
-        except Exception as e:  # noqa: BLE001 - the dataset's error, raised for this batch
-            return in_this_process(e, task.epoch, task.step), BatchTimings()
-
-    def ready(self) -> int:
-        return 0
-
-    def discard_pending(self) -> None:
-        self._tasks.clear()
-
-    def close(self, timeout: float = CLOSE_SECONDS) -> None:
-        self._tasks.clear()
-
-
-class ThreadPool:
-    """Worker threads sharing the process (and its open shard readers). In them
-    `torch.utils.data.get_worker_info()` is None, as in the training process (see
-    `shardloader.loader.workers.worker_process`).
-
-    Daemon threads, not a `concurrent.futures.ThreadPoolExecutor`: the executor's threads are
-    joined without a limit at interpreter exit, so one batch stuck in a read (a silent server)
-    would hang the script's exit forever. A daemon thread still busy then is abandoned."""
-
-    def __init__(self, producer: BatchProducer, num_workers: int, *, timeout: float | None = None) -> None:
-        self.producer = producer
-        self.timeout = timeout
-        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Result], BatchTask] | None] = \
-            queue.SimpleQueue()
-        self._futures: dict[int, concurrent.futures.Future[Result]] = {}
-        self._threads = [threading.Thread(target=self._work, name=f"shardloader-worker-{i}", daemon=True)
-                         for i in range(num_workers)]
-        for thread in self._threads:
-            _POOL_THREADS.add(thread)
-            thread.start()
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            future, task = item
-            if not future.set_running_or_notify_cancel():  # discarded before it started
-                continue
-            try:
-                future.set_result(self.producer(task))
-            except Exception as e:  # noqa: BLE001 - the dataset's error, raised for this batch
-                future.set_result((in_this_process(e, task.epoch, task.step), BatchTimings()))
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the batch
-                future.set_exception(e)
-
-    def submit(self, task: BatchTask) -> None:
-        future: concurrent.futures.Future[Result] = concurrent.futures.Future()
-        self._futures[task.task_id] = future
-        self._queue.put((future, task))
-
-    def get(self, task_id: int) -> Result:
-        future = self._futures.pop(task_id)
-        try:
-            return future.result(self.timeout)
-        except concurrent.futures.TimeoutError:
-            raise WorkerError(f"batch task {task_id} took longer than the {self.timeout} s timeout") from None
-        except Exception as e:
-            raise WorkerError(f"worker thread failed on batch task {task_id}: {e}") from e
-
-    def ready(self) -> int:
-        return sum(f.done() for f in self._futures.values())
-
-    def discard_pending(self) -> None:
-        for future in self._futures.values():
-            future.cancel()
-        self._futures.clear()
-
-    def close(self, timeout: float = CLOSE_SECONDS) -> None:
-        """Cancel queued tasks and wait up to `timeout` for the batches in progress.
-
-        A thread cannot be stopped from outside: one still busy after `timeout` (a read stuck
-        on a slow network, say) is left to finish on its own (it is a daemon: it never holds
-        up the interpreter's exit); its result is discarded."""
-        self.discard_pending()
-        for _ in self._threads:
-            self._queue.put(None)
-        deadline = time.monotonic() + timeout
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
+#: How long a worker process may take to start (from the pool's creation until it is ready for
+#: its first task) before the loader gives up on it with a WorkerError. Generous: under "spawn"
+#: a worker imports torch and the dataset's modules first, seconds on a loaded machine.
+WORKER_START_SECONDS = 60.0
 
 
 def _worker_main(start: WorkerStart, producer: BatchProducer, tasks: Any, results: Any,
-                 returned_slots: Any) -> None:
+                 returned_slots: Any, progress: StartProgress) -> None:
     # First: die with the training process, however it ends; then let go of what it must not
-    # hold, before anything slow (imports) runs. See worker_process.
+    # hold, before anything slow (imports) runs. See worker_process. Each step is reported
+    # to `progress` (the pool's start-up bound names the one a worker is stuck in).
+    worker_id = start.worker_id
+    progress.begin(worker_id, "watch")
     die_with(start.training, use_signal=start.use_signal)
+    progress.begin(worker_id, "close_ends")
     _close_inherited_ends(tasks, results, returned_slots)
-    begin_worker(start, producer)
+    begin_worker(start, producer, progress)
+    progress.begin(worker_id, "slots")
     writer = SlotWriter(returned_slots)
     producer.allocate = writer.allocate  # the direct batch path builds images in a slot
-    worker_id = start.worker_id
+    progress.finish(worker_id)
     while True:
         try:
             task = tasks.get()
@@ -234,6 +146,13 @@ class ProcessPool:
     thread (the training loop) does not pay for unpickling inside next(). Slots of batches the
     training loop has dropped go back to their workers from `get` and, while the loop does not
     ask for batches, from the receiver.
+
+    Workers are started on a thread that lasts as long as the training process
+    (`shardloader.runtime.child_process.start_children`), so that the kernel kills them when it
+    dies whichever thread made the pool; under fork, with the training process's thread pools
+    made safe to inherit (`worker_process.fork_safe_thread_pools`). Each worker reports its
+    start-up steps (`worker_process.StartProgress`); `get` gives up on one that has not
+    started within `WORKER_START_SECONDS`, naming the step.
     """
 
     def __init__(self, producer: BatchProducer, num_workers: int, *, context: str | None = None,
@@ -268,19 +187,20 @@ class ProcessPool:
         self._receiver_error: str | None = None
         self._receiver = threading.Thread(target=self._receive, name="shardloader-receiver",
                                           daemon=True)
+        self._start_method = ctx.get_start_method()
+        self._progress = StartProgress(ctx, num_workers)
+        self._start_seconds = WORKER_START_SECONDS
+        self._start_deadline = time.monotonic() + self._start_seconds
+        self._all_started = False
         _LIVE_POOLS.add(self)  # before forking: each worker closes what it must not hold
-        training, use_signal = this_process(), started_from_main_thread()
         try:
-            for worker_id, tasks in enumerate(self._task_queues):
-                start = WorkerStart(worker_id, num_workers, training, use_signal, worker_dataset)
-                process = ctx.Process(
-                    target=_worker_main,
-                    args=(start, producer, tasks, self._results, self._slot_returns[worker_id]),
-                    name=f"shardloader-worker-{worker_id}",
-                    daemon=True,
-                )
-                process.start()
-                self._workers.append(process)
+            try:
+                start_children(lambda: self._start_workers(ctx, producer, num_workers, worker_dataset),
+                               timeout=self._start_seconds)
+            except TimeoutError as e:
+                raise WorkerError(f"starting {num_workers} worker processes "
+                                  f"({self._start_method}) took longer than "
+                                  f"{self._start_seconds} s") from e
         except BaseException as e:
             self.close()
             if ctx.get_start_method() != "fork" and isinstance(e, _PICKLING_ERRORS):
@@ -291,6 +211,29 @@ class ProcessPool:
             raise
         _POOL_THREADS.add(self._receiver)
         self._receiver.start()
+
+    def _start_workers(self, ctx: Any, producer: BatchProducer, num_workers: int,
+                       worker_dataset: Any) -> None:
+        """Start the worker processes (on the thread `start_children` picks)."""
+        training = this_process()
+        forks = self._start_method == "fork"
+        with fork_safe_thread_pools() if forks else contextlib.nullcontext():
+            for worker_id, tasks in enumerate(self._task_queues):
+                if self._closed:  # the caller gave up waiting (see start_children)
+                    return
+                # use_signal: started on a lasting thread (see child_process.start_children)
+                start = WorkerStart(worker_id, num_workers, training, True, worker_dataset)
+                process = ctx.Process(
+                    target=_worker_main,
+                    args=(start, producer, tasks, self._results, self._slot_returns[worker_id],
+                          self._progress),
+                    name=f"shardloader-worker-{worker_id}",
+                    daemon=True,
+                )
+                process.start()
+                self._workers.append(process)
+                if self._closed:  # closed meanwhile: close() may have missed this one
+                    process.kill()
 
     def submit(self, task: BatchTask) -> None:
         worker_id = self._next_worker
@@ -341,10 +284,35 @@ class ProcessPool:
             if process.exitcode is not None:
                 code = process.exitcode
                 how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                during = ("" if self._progress.started(worker_id) else
+                          f" while starting ({self._progress.doing(worker_id)})")
                 raise WorkerError(
-                    f"worker {worker_id} (pid {process.pid}) died with {how} while batch task "
-                    f"{task_id} was pending; the loader cannot continue this iteration"
+                    f"worker {worker_id} (pid {process.pid}) died with {how}{during} while "
+                    f"batch task {task_id} was pending; the loader cannot continue this iteration"
                 )
+
+    def _check_started(self, task_id: int) -> None:
+        """A WorkerError for the first worker that has not started by the start-up deadline."""
+        if self._all_started:
+            return
+        if all(self._progress.started(i) for i in range(len(self._workers))):
+            self._all_started = True
+            return
+        if time.monotonic() <= self._start_deadline:
+            return
+        for worker_id, process in enumerate(self._workers):
+            if not self._progress.started(worker_id):
+                raise WorkerError(
+                    f"worker {worker_id} (pid {process.pid}, {self._start_method}) did not start "
+                    f"within {self._start_seconds} s: it is still "
+                    f"{self._progress.doing(worker_id)}; batch task {task_id} cannot be made")
+
+    def _not_started(self, worker_id: int | None) -> str:
+        """For a timeout's message: what the task's worker is doing when it has not started."""
+        if worker_id is None or self._progress.started(worker_id):
+            return ""
+        return (f"; its worker {worker_id} has not started: it is still "
+                f"{self._progress.doing(worker_id)}")
 
     def get(self, task_id: int) -> Result:
         # Slots of the batches the training loop dropped since the last call go home now,
@@ -359,8 +327,10 @@ class ProcessPool:
                     raise WorkerError(f"receiving batches from the workers failed while batch "
                                       f"task {task_id} was pending: {self._receiver_error}")
                 self._check_alive(task_id)
+                self._check_started(task_id)
                 if deadline is not None and time.monotonic() > deadline:
-                    raise WorkerError(f"batch task {task_id} took longer than the {self.timeout} s timeout")
+                    raise WorkerError(f"batch task {task_id} took longer than the {self.timeout} s "
+                                      f"timeout{self._not_started(self._assigned.get(task_id))}")
                 self._cond.wait(_POLL_SECONDS)
             ok, payload = self._done.pop(task_id)
             del self._assigned[task_id]
@@ -443,39 +413,6 @@ class ProcessPool:
 def _join_all(processes: list[Any], deadline: float) -> None:
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))
-
-
-#: Process pools alive in this process. A forked worker closes their pipe ends (it must not
-#: hold them); a weak set, so a pool nobody references is not kept alive by it.
-_LIVE_POOLS: weakref.WeakSet[ProcessPool] = weakref.WeakSet()
-#: The pools' threads (receivers, worker threads): daemons that may drop the last reference to
-#: a batch's tensors on their way out. See `end_pools_at_exit`.
-_POOL_THREADS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-#: How long interpreter exit waits for the pools' threads, in all.
-EXIT_JOIN_SECONDS = 1.0
-
-
-def end_pools_at_exit(timeout: float = EXIT_JOIN_SECONDS) -> None:
-    """At interpreter exit, once the live loaders are closed: abandon the pools nobody closed,
-    and wait (bounded) until the pools' threads have ended.
-
-    Why: a pool dropped without `close()` (a Loader garbage-collected, or left behind by a
-    pipeline's thread) is abandoned, and its receiver thread notices within `_POLL_SECONDS`,
-    then frees the pool and the tensors of the batches it holds. If that happens after the
-    interpreter began finalising, CPython (before 3.14) ends the thread with `pthread_exit` from
-    inside torch's tensor destructor, where the unwinding aborts the process: SIGABRT,
-    "terminate called without an active exception", in 4 of 20 runs of a script that dropped
-    its Loader without `close()` and returned. A thread still busy after `timeout` (a worker
-    thread stuck in a read) is left as it is."""
-    for pool in list(_LIVE_POOLS):
-        try:
-            pool.abandon()
-        except Exception:  # noqa: BLE001 - e.g. in a forked child, whose pools are not its own
-            pass
-    deadline = time.monotonic() + timeout
-    for thread in list(_POOL_THREADS):
-        if thread is not threading.current_thread() and thread.is_alive():
-            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def make_pool(producer: BatchProducer, num_workers: int, worker_type: str, *,

@@ -8,6 +8,17 @@ The same under every start method ("fork", "spawn", "forkserver"):
 - Then what DataLoader's workers do: `torch.utils.data.get_worker_info()` describes this
   worker (`set_worker_info`), the global RNGs are seeded per worker, torch uses one thread;
   and ours: a lower CPU priority, Ctrl-C left to the training process.
+- Each step is reported as it begins (`StartProgress`, a shared byte per worker), and the last
+  one says "started": the pool waits a bounded time for that (`pool.WORKER_START_SECONDS`), and
+  a worker that does not get there is an error that names the step it is stuck in.
+
+Thread pools and fork. A forked child inherits a library's thread pool as data only: its
+threads do not exist in the child. torch's (OpenMP) and the BLAS pools notice and start anew,
+but OpenCV's ("pthreads" backend) does not: once it has run threads in the training process,
+`cv2.setNumThreads(1)` in a forked child waits forever for threads that are not there. So the
+training process sets OpenCV to one thread while it forks its workers, and restores its own
+setting once they are forked (`fork_safe_thread_pools`): the children inherit a pool with no
+threads, which they may reconfigure.
 
 `get_worker_info()` is None in the training process and in thread workers (`worker_type=
 "thread"`), as for DataLoader with `num_workers=0`: threads share the process, and the global
@@ -16,9 +27,12 @@ it reads cannot tell one thread from another.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,9 +71,80 @@ def worker_seed(seed: int, worker_id: int) -> int:
     return derive_key(_WORKER_SEED_BASE, seed, worker_id) & _SEED_MASK
 
 
-def begin_worker(start: WorkerStart, producer: BatchProducer) -> None:
+#: What a worker does while it starts, in order (name, in words): what `StartProgress`
+#: reports. "start_method" is the start method's own work, before any of ours runs (its words
+#: depend on the method: `_BEING_STARTED`).
+START_STEPS: tuple[tuple[str, str], ...] = (
+    ("start_method", "being started by its start method"),
+    ("watch", "arming its watch of the training process (die_with)"),
+    ("close_ends", "closing the pipe ends it inherited"),
+    ("setup", "collecting garbage, seeding its RNGs and setting get_worker_info()"),
+    ("torch_threads", "setting torch to one thread (torch.set_num_threads(1))"),
+    ("priority", "lowering its CPU priority"),
+    ("opencv_threads", "setting OpenCV to one thread (cv2.setNumThreads(1))"),
+    ("slots", "preparing its batch slots"),
+)
+_STEP_NUMBER = {name: number for number, (name, _) in enumerate(START_STEPS)}
+_BEING_STARTED = {
+    "fork": "in the fork handlers (os.register_at_fork's, multiprocessing's after-fork hooks)",
+    "spawn": "importing and unpickling its dataset, transform and collate_fn (spawn)",
+    "forkserver": "importing and unpickling its dataset, transform and collate_fn (forkserver)",
+}
+STARTED = len(START_STEPS)
+
+
+class StartProgress:
+    """Which start-up step each worker is in: one byte per worker in shared memory, written by
+    the worker as it begins a step and read by the pool. The worker's "started" is the byte
+    reaching `STARTED`; shared memory, not a message, so that the pool can also tell where a
+    worker is stuck (a message from a stuck worker never comes)."""
+
+    def __init__(self, ctx: Any, num_workers: int) -> None:
+        self._steps = ctx.RawArray("b", num_workers)  # zeros: step 0, being started
+        self._method = ctx.get_start_method()
+
+    def begin(self, worker_id: int, step: str) -> None:
+        """In the worker: it begins `step` (a name in `START_STEPS`)."""
+        self._steps[worker_id] = _STEP_NUMBER[step]
+
+    def finish(self, worker_id: int) -> None:
+        """In the worker: it has started (ready for its first task)."""
+        self._steps[worker_id] = STARTED
+
+    def started(self, worker_id: int) -> bool:
+        return self._steps[worker_id] == STARTED
+
+    def doing(self, worker_id: int) -> str:
+        """What the worker is doing, in words (for an error message)."""
+        step = self._steps[worker_id]
+        if step >= STARTED:
+            return "started"
+        return _BEING_STARTED.get(self._method, START_STEPS[0][1]) if step == 0 else START_STEPS[step][1]
+
+
+@contextlib.contextmanager
+def fork_safe_thread_pools() -> Iterator[None]:
+    """In the training process, around forking workers: OpenCV at one thread meanwhile, its own
+    setting restored afterwards (see the module doc). Only where the training process has
+    imported OpenCV: otherwise there is no pool to inherit, and nothing is imported."""
+    cv2 = sys.modules.get("cv2")
+    threads = None
+    if cv2 is not None and hasattr(cv2, "setNumThreads"):
+        threads = cv2.getNumThreads()
+        cv2.setNumThreads(1)  # ends the pool's threads: the children inherit none
+    try:
+        yield
+    finally:
+        if threads is not None:
+            cv2.setNumThreads(threads)
+
+
+def begin_worker(start: WorkerStart, producer: BatchProducer, progress: StartProgress) -> None:
     """What a worker process does before its first task, once it watches the training process
-    (`die_with(start.training)`, which the worker calls first of all)."""
+    (`die_with(start.training)`, which the worker calls first of all). Each step is reported to
+    `progress` as it begins."""
+    worker_id = start.worker_id
+    progress.begin(worker_id, "setup")
     collect_in_forked_worker()
     # Ctrl-C goes to the main process, which shuts workers down; workers must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -72,8 +157,13 @@ def begin_worker(start: WorkerStart, producer: BatchProducer) -> None:
     set_worker_info(start, seed)
     # Workers parallelise; intra-op pools would oversubscribe the cores (torch's also spins
     # for milliseconds per op on a busy machine). DataLoader's workers do the same for torch.
+    # Safe after fork whatever the training process did with torch's pool (tests/
+    # test_worker_startup.py); OpenCV's is made safe by `fork_safe_thread_pools`.
+    progress.begin(worker_id, "torch_threads")
     torch.set_num_threads(1)
+    progress.begin(worker_id, "priority")
     _lower_priority()
+    progress.begin(worker_id, "opencv_threads")
     try:
         import cv2
 
