@@ -403,6 +403,7 @@ def test_len_is_what_a_pass_yields_on_every_rank_with_a_partial_tail(rank):
     batches = [batch.tolist() for batch in loader]
     assert len(loader) == len(batches) == len(loader.batch_sampler) == (4 if rank == 0 else 3)
     assert list(loader.batch_sampler) == batches
+    assert len(iter(loader)) == len(loader)  # an iterator's length too, as DataLoader's
     everyone = sorted(sum((sum([b.tolist() for b in Loader(list(range(19)), batch_size=2, rank=r,
                                                            world_size=3, tail="partial")], [])
                            for r in range(3)), []))

@@ -30,7 +30,7 @@ ERROR_CLOSE_SECONDS = 0.5
 
 
 class EpochIterator:
-    """Iterates one epoch of the cursor (`steps` batches in all) for one rank.
+    """Iterates one epoch of the cursor (`steps` global steps, `length` batches) for one rank.
 
     Nothing starts when it is made: its first `next()` begins the iteration (the cursor's
     epoch from its start, or from the restored position) and starts workers and prefetch. An
@@ -43,8 +43,8 @@ class EpochIterator:
     by its `__del__` mid-epoch and its exit handler still closes them."""
 
     def __init__(self, owner: object, cursor: Cursor, plan: StepPlan, dataset: LoaderDataset,
-                 workers: PoolKeeper, *, steps: int, pin_memory: bool, rank: int, stats: Any,
-                 telemetry: Any) -> None:
+                 workers: PoolKeeper, *, steps: int, length: int, pin_memory: bool, rank: int,
+                 stats: Any, telemetry: Any) -> None:
         self.owner = owner
         self.cursor = cursor
         self.plan = plan
@@ -56,7 +56,8 @@ class EpochIterator:
         self.telemetry = telemetry
         self.generation = cursor.generation
         self.iteration = cursor.iterations
-        self.steps = steps
+        self.steps = steps  # global steps: the last may have no batch for this rank
+        self.length = length  # this rank's batches: len(loader)
         self.started = False  # the first __next__ starts the iteration (under paused_gc)
         self.ended = False  # StopIteration was raised: the cursor moved to the next epoch
         self.finished = False  # prefetch stopped (and workers released, unless persistent)
@@ -107,8 +108,8 @@ class EpochIterator:
         return self
 
     def __len__(self) -> int:
-        """Batches of the whole epoch (DataLoader's iterators have a length too)."""
-        return self.steps
+        """Batches of the whole epoch, len(loader) (DataLoader's iterators have a length too)."""
+        return self.length
 
     def __next__(self) -> Any:
         if self.ended:

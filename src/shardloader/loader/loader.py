@@ -398,7 +398,7 @@ class Loader(Generic[T_co]):
         self._cursor.invalidate()
         self._cursor.iterations += 1
         iterator = EpochIterator(self, self._cursor, self._plan, self._data, self._workers,
-                                 steps=self._global_steps, rank=self.rank,
+                                 steps=self._global_steps, length=len(self), rank=self.rank,
                                  pin_memory=pins(self.pin_memory),
                                  stats=self._stats, telemetry=self.telemetry)
         self._active = weakref.ref(iterator)
