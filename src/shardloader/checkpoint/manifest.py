@@ -19,6 +19,7 @@ from shardloader._version import __version__
 from shardloader.checkpoint.fields import is_nonneg_int
 from shardloader.errors import CheckpointError, UnsafePathError
 from shardloader.io.checksum import checksum_bytes, parse_checksum
+from shardloader.io.jsondata import parse_json
 from shardloader.io.paths import safe_relative_path
 
 MANIFEST_NAME = "manifest.json"
@@ -83,10 +84,7 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes, *, source: str) -> Manifest:
         """Parse and validate a manifest; any damage raises CheckpointError naming `source`."""
-        try:
-            body = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{source}: manifest is not valid JSON: {exc}") from None
+        body = parse_json(data, what=source, error=CheckpointError)
         if not isinstance(body, dict):
             raise CheckpointError(f"{source}: manifest is not a JSON object")
         claimed = body.pop("manifest_checksum", None)

@@ -30,8 +30,12 @@ from shardloader.checkpoint.tree import flatten, unflatten
 from shardloader.checkpoint.writer import RoundHandoff, StagedPart
 from shardloader.errors import CheckpointError, StateError
 from shardloader.io.checksum import new_hasher, parse_checksum
+from shardloader.io.jsondata import json_depth, parse_json
 
 _CHUNK = 8 << 20
+#: The deepest JSON a state file may nest (about three levels per level of the saved state):
+#: refused at save, so that whatever is saved loads, and before parsing at load.
+STATE_JSON_DEPTH = 192
 
 
 @dataclass
@@ -54,6 +58,9 @@ def stage_part(pool: StagingPool, base: str, ckpt_id: str, step: int, state: dic
     metas = plan_layout([str(i) for i in range(len(tensors))], tensors)
     doc = {"id": ckpt_id, "step": step, "paths": paths, "state": skeleton}
     skeleton_bytes = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+    if json_depth(skeleton_bytes) > STATE_JSON_DEPTH:
+        raise CheckpointError(f"{base}: the state nests deeper than a checkpoint stores "
+                              f"({STATE_JSON_DEPTH} JSON levels, about three per level of a dict)")
     rounds = plan_rounds(metas, pool.capacity_for(pool_bytes_needed(metas)))
     pool.reserve(max(16, *(r.nbytes for r in rounds)))
     part = StagedPart(base, metas, rounds, encode_header(metas), skeleton_bytes)
@@ -99,7 +106,8 @@ def _listed(store: Store, entry: CatalogEntry, base: str) -> tuple[str, str]:
 
 def _decode_state(raw: bytes, tensors: dict[str, torch.Tensor], url: str) -> dict[str, Any]:
     try:
-        doc = json.loads(raw)
+        doc = parse_json(raw, what=url, error=CheckpointError,
+                         max_depth=STATE_JSON_DEPTH)
         skeleton = doc["state"]
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointError(f"{url}: state file is malformed: {exc}") from None

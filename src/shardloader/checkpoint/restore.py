@@ -22,7 +22,6 @@ learns every rank's verdict, so all ranks restore the same checkpoint or fall ba
 from __future__ import annotations
 
 import copy
-import json
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -36,13 +35,14 @@ from shardloader.checkpoint.catalog import CatalogEntry, warn
 from shardloader.checkpoint.group import DistGroup, LocalGroup
 from shardloader.checkpoint.layout import CheckpointLayout, DamagedCheckpoint
 from shardloader.checkpoint.manifest import Manifest
-from shardloader.checkpoint.parts import part_names
+from shardloader.checkpoint.parts import STATE_JSON_DEPTH, part_names
 from shardloader.checkpoint.single_layout import SINGLE_BASE, unwrap
 from shardloader.checkpoint.storage import Store
 from shardloader.checkpoint.tensorfile import read_header
 from shardloader.checkpoint.tree import unflatten
 from shardloader.errors import CheckpointError, StateError
 from shardloader.io.checksum import new_hasher
+from shardloader.io.jsondata import parse_json
 
 #: The layout that reads checkpoints whose manifest names it ("single", "dcp").
 LayoutNamed = Callable[[str], CheckpointLayout]
@@ -367,7 +367,9 @@ def _preview(store: Store, entry: CatalogEntry, rank: int) -> dict[str, Any]:
         by_name = {m.name: m for m in metas}
         placeholders = [torch.empty(by_name[str(i)].shape, dtype=by_name[str(i)].dtype)
                         for i in range(len(metas))]
-        state = unflatten(json.loads(raw)["state"], placeholders, source=url)
+        doc = parse_json(raw, what=url, error=CheckpointError,
+                         max_depth=STATE_JSON_DEPTH)
+        state = unflatten(doc["state"], placeholders, source=url)
     except CheckpointError as exc:
         raise DamagedCheckpoint(str(exc)) from None
     except (KeyError, TypeError, ValueError) as exc:

@@ -21,6 +21,7 @@ import torch
 
 from shardloader.checkpoint.fields import is_nonneg_int
 from shardloader.errors import CheckpointError
+from shardloader.io.jsondata import parse_json
 
 _DTYPE_CODES = {
     torch.float64: "F64",
@@ -118,10 +119,8 @@ def decode_header(prefix: bytes, *, source: str, file_size: int) -> tuple[int, l
     `header_length` first to know how much to read.
     """
     n = header_length(prefix[:8], source=source, file_size=file_size)
-    try:
-        header = json.loads(bytes(prefix[8 : 8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{source}: tensor file header is not valid JSON: {exc}") from None
+    header = parse_json(bytes(prefix[8 : 8 + n]), what=f"{source}: tensor file header",
+                        error=CheckpointError)
     if not isinstance(header, dict):
         raise CheckpointError(f"{source}: tensor file header is not a JSON object")
     header.pop("__metadata__", None)

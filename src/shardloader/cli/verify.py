@@ -16,6 +16,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "each bad file and exits 1 if any.",
     )
     parser.add_argument("url", metavar="URL", help="dataset root (local path or fsspec URL)")
+    parser.add_argument("--allow-links-outside-root", action="store_true",
+                        help="accept shards that are symbolic links to files outside the root")
     add_quiet(parser)
     add_storage_options(parser)
     parser.set_defaults(func=run)
@@ -25,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
     from shardloader.ingest.verify import verify_dataset
     from shardloader.source.index import load_index
 
-    problems = verify_dataset(args.url, args.storage_options, progress=show_progress(args))
+    problems = verify_dataset(args.url, args.storage_options, progress=show_progress(args),
+                              allow_links_outside_root=args.allow_links_outside_root)
     if problems:
         for problem in problems:
             print(f"BAD  {problem}")

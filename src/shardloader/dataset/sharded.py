@@ -61,6 +61,9 @@ class Dataset:
     `decode` applies to tar shards: True decodes the conventional WebDataset extensions as
     webdataset does (images stay bytes), False gives every member's raw bytes, and a collection
     of field names decodes only those.
+    A local shard that is a symbolic link (or lies under a linked directory) leading out of the
+    dataset root is refused with UnsafePathError naming the shard, the link and its target;
+    `allow_links_outside_root=True` reads it (links inside the root always work).
     Building a Dataset opens the shards the index lists as empty (a `samples: 0` entry for a
     shard with rows is a ShardError) and refuses an index without samples (DatasetIndexError).
     Idle readers close early when the node cache needs their room.
@@ -80,6 +83,7 @@ class Dataset:
         verify: bool = True,
         max_open_shards: int = 16,
         decode: bool | Collection[str] = True,
+        allow_links_outside_root: bool = False,
     ) -> None:
         self.url = os.fspath(path_or_url)
         self.storage_options = dict(storage_options or {})
@@ -87,6 +91,7 @@ class Dataset:
         self.source: ShardSource = _make_source(
             self.url, cache_dir=cache_dir, cache_limit=cache_limit,
             storage_options=self.storage_options, verify=verify,
+            allow_links_outside_root=allow_links_outside_root,
         )
         self.max_open_shards = max_open_shards
         self._tar_decode = decoded_fields(list(self.index.schema), decode)
@@ -400,9 +405,11 @@ def _make_source(
     cache_limit: int | str | None,
     storage_options: dict[str, Any],
     verify: bool,
+    allow_links_outside_root: bool,
 ) -> ShardSource:
     if is_local(url):
-        return LocalSource(strip_file_scheme(url), verify=verify)
+        return LocalSource(strip_file_scheme(url), verify=verify,
+                           allow_links_outside_root=allow_links_outside_root)
     from shardloader.source.remote import RemoteSource  # the cache issue provides this
 
     return RemoteSource(url, cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options)

@@ -37,6 +37,7 @@ import numpy as np
 from shardloader.errors import DatasetIndexError, UnsafePathError
 from shardloader.format.registry import FORMATS
 from shardloader.io.checksum import parse_checksum
+from shardloader.io.jsondata import parse_json
 from shardloader.io.paths import safe_relative_path
 
 INDEX_NAME = "index.json"
@@ -143,10 +144,7 @@ class Index:
 
     @classmethod
     def loads(cls, text: str | bytes, *, source: str = INDEX_NAME) -> Index:
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DatasetIndexError(f"{source}: not valid JSON ({e})") from None
+        data = parse_json(text, what=source, error=DatasetIndexError)
         return cls.from_json(data, source=source)
 
     def to_json(self) -> dict[str, Any]:

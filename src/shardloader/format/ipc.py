@@ -25,7 +25,6 @@ changes what a shard reads as, only which library reads it.
 
 from __future__ import annotations
 
-import json
 import struct
 import sys
 from collections.abc import Callable
@@ -35,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from shardloader.format.rows import pread_values
+from shardloader.io.jsondata import parse_json
 
 _MAGIC = b"ARROW1"
 _CONTINUATION = 0xFFFFFFFF
@@ -254,7 +254,8 @@ def _column(buf: _Buffer, field: int) -> Column:
         if len(children) != 1:
             raise Unsupported("tensor storage without one child")
         child = _number_dtype(buf, buf.scalar(children[0], 2, buf.u8, 0), buf.ref(children[0], 3))
-        params = json.loads(metadata.get("ARROW:extension:metadata") or "{}")
+        params = parse_json(metadata.get("ARROW:extension:metadata") or "{}",
+                            what="tensor extension metadata", error=Unsupported)
         shape = tuple(int(d) for d in params["shape"])
         permutation = params.get("permutation")
         if permutation is not None and list(permutation) != list(range(len(shape))):

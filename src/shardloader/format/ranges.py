@@ -51,6 +51,7 @@ import xxhash
 from shardloader.errors import ShardError
 from shardloader.format.arrays import sorted_unique
 from shardloader.io.checksum import checksum_bytes
+from shardloader.io.jsondata import parse_json
 
 RANGES_KEY = "ranges"  # the shard index entry's key describing the sidecar (every format has one)
 RANGES_SUFFIX = ".ranges"
@@ -150,7 +151,7 @@ class RangeTable:
             raise ShardError(f"{where}: not a shardloader range sidecar (bad magic)")
         (header_len,) = struct.unpack_from("<Q", data, len(_MAGIC))
         try:
-            h = json.loads(data[prefix:prefix + header_len])
+            h = parse_json(data[prefix:prefix + header_len], what="range sidecar header")
             fmt, size, rows, groups = str(h["format"]), int(h["shard_bytes"]), int(h["rows"]), int(h["groups"])
             k, grefs, rrefs = int(h["spans"]), int(h["group_refs"]), int(h["row_refs"])
             shared = np.asarray([int(i) for i in h["shared"]], dtype=np.int64)

@@ -46,6 +46,7 @@ from shardloader.format.ranges import RangeTable, RangeTableBuilder
 from shardloader.format.rows import check_schema
 from shardloader.io.checksum import checksum_bytes, parse_checksum
 from shardloader.io.identity import FileGuard, FileIdentity
+from shardloader.io.jsondata import parse_json
 from shardloader.io.paths import safe_relative_path
 
 KEY_FIELD = "__key__"
@@ -100,7 +101,7 @@ class TarOffsets:
             raise ShardError(f"{where}: not a shardloader tar offsets sidecar (bad magic)")
         (header_len,) = struct.unpack_from("<Q", data, len(_SIDECAR_MAGIC))
         try:
-            header = json.loads(data[prefix:prefix + header_len])
+            header = parse_json(data[prefix:prefix + header_len], what="sidecar header")
             fields, keys = tuple(header["fields"]), list(header["keys"])
             samples, tar_bytes = int(header["samples"]), int(header["tar_bytes"])
         except (ValueError, KeyError, TypeError) as e:

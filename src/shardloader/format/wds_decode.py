@@ -5,7 +5,7 @@ extensions into Python values, and `Dataset` does the same for tar shards (`deco
 
 - ``cls cls2 class count index inx id`` -> ``int`` (decimal text, surrounding whitespace ignored)
 - ``txt text transcript`` -> ``str`` (UTF-8)
-- ``json jsn`` -> the parsed JSON value (``json.loads``: data only)
+- ``json jsn`` -> the parsed JSON value (``io.jsondata.parse_json``: data only, nesting bounded)
 - ``npy`` -> ``numpy.ndarray`` (``numpy.load`` with ``allow_pickle=False``)
 
 The extension is the part of the field name after its last dot (``seg.txt`` is text), as in
@@ -21,13 +21,13 @@ parse as its extension says is a `FieldDecodeError` naming the shard, sample key
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import numpy as np
 
 from shardloader.errors import ShardError
+from shardloader.io.jsondata import parse_json
 
 
 class FieldDecodeError(ShardError):
@@ -45,7 +45,7 @@ def _text(data: bytes) -> str:
 
 
 def _json(data: bytes) -> Any:
-    return json.loads(data)
+    return parse_json(data, what="the member")  # a ValueError, named with the sample below
 
 
 def _npy(data: bytes) -> np.ndarray:

@@ -5,7 +5,9 @@ also opens every shard with its reader (sample count and schema against the inde
 values: every field of a shardloader dataset needs a value in every row). It returns
 the problems found, each naming its file; an empty list means the dataset verifies. A malformed
 or unsafe index raises (`DatasetIndexError`, `UnsafePathError`): there is nothing to check
-against.
+against. A local shard or sidecar that leads out of the dataset root through a symbolic link
+is a problem (the UnsafePathError's message, naming the link and its target) unless
+`allow_links_outside_root`.
 
 A remote dataset is read through the process's client of `shardloader.io.clients`, with the
 shard cache's retries (`shardloader.io.objects`): transient errors (5xx, resets, timeouts) are
@@ -29,7 +31,13 @@ from shardloader.format.tar import OFFSETS_KEY
 from shardloader.io.checksum import checksum_file, format_checksum, new_hasher, parse_checksum
 from shardloader.io.clients import filesystem
 from shardloader.io.objects import object_size, read_chunks
-from shardloader.io.paths import is_local, join_url, safe_relative_path, strip_file_scheme
+from shardloader.io.paths import (
+    is_local,
+    join_url,
+    resolve_inside_root,
+    safe_relative_path,
+    strip_file_scheme,
+)
 from shardloader.source.index import load_index
 
 
@@ -55,9 +63,22 @@ def _check_file(fs: Any, url: str, size: int, checksum: str) -> str | None:
     return None
 
 
-def _check_sidecar(fs: Any, root: str, shard: ShardInfo, key: str = OFFSETS_KEY) -> str | None:
+def _check_links(root: str | None, relative: str, what: str) -> str | None:
+    """The problem with a local file whose links lead out of `root`, or None (and None for a
+    remote dataset or when links outside are allowed: `root` None)."""
+    if root is None:
+        return None
+    try:
+        resolve_inside_root(root, relative, what=what)
+    except ShardloaderError as e:
+        return str(e)
+    return None
+
+
+def _check_sidecar(fs: Any, root: str, shard: ShardInfo, key: str = OFFSETS_KEY,
+                   link_root: str | None = None) -> str | None:
     """The problem with the sidecar the index entry describes under `key` (tar offsets, range
-    sidecar), or None: its size and checksum against the index."""
+    sidecar), or None: its links (under `link_root`), size and checksum against the index."""
     entry = shard.extra.get(key)
     if entry is None:
         return None
@@ -69,7 +90,8 @@ def _check_sidecar(fs: Any, root: str, shard: ShardInfo, key: str = OFFSETS_KEY)
         parse_checksum(str(entry["checksum"]))
     except (ShardloaderError, ValueError) as e:
         return str(e)
-    return _check_file(fs, join_url(root, relative), entry["bytes"], entry["checksum"])
+    return (_check_links(link_root, relative, f"{where}: {key} sidecar")
+            or _check_file(fs, join_url(root, relative), entry["bytes"], entry["checksum"]))
 
 
 def _check_structure(root: str, shard: ShardInfo, index: Index) -> str | None:
@@ -94,24 +116,29 @@ def _check_structure(root: str, shard: ShardInfo, index: Index) -> str | None:
 
 def verify_dataset(
     url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None, *,
-    progress: bool = False,
+    progress: bool = False, allow_links_outside_root: bool = False,
 ) -> list[str]:
     """Every problem found in the dataset at `url`, one message per bad file; [] when it verifies.
-    `progress` shows a progress bar (bytes checked) on stderr."""
+    `progress` shows a progress bar (bytes checked) on stderr. A local shard or sidecar that is
+    (or lies under) a symbolic link leading out of the root is a problem unless
+    `allow_links_outside_root`."""
     url = os.fspath(url)
     index = load_index(url, storage_options)
     fs, _ = filesystem(url, storage_options, full_interface=True)
     root = strip_file_scheme(url) if is_local(url) else url
+    link_root = root if is_local(url) and not allow_links_outside_root else None
     problems: list[str] = []
     bar = tqdm(total=index.total_bytes, desc=f"verifying {url}", unit="B", unit_scale=True,
                disable=not progress)
     with bar:
         for shard in index.shards:
-            shard_problem = _check_file(fs, join_url(root, shard.path), shard.bytes, shard.checksum)
+            shard_problem = (
+                _check_links(link_root, shard.path, f"shard {shard.path!r}")
+                or _check_file(fs, join_url(root, shard.path), shard.bytes, shard.checksum))
             if shard_problem is None and is_local(url):
                 shard_problem = _check_structure(root, shard, index)
-            for problem in (shard_problem, _check_sidecar(fs, root, shard),
-                            _check_sidecar(fs, root, shard, RANGES_KEY)):
+            for problem in (shard_problem, _check_sidecar(fs, root, shard, link_root=link_root),
+                            _check_sidecar(fs, root, shard, RANGES_KEY, link_root)):
                 if problem is not None:
                     problems.append(problem)
             bar.update(shard.bytes)

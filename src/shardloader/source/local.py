@@ -19,7 +19,7 @@ from shardloader.errors import ChecksumMismatch, ShardChangedError, ShardError
 from shardloader.format.index import ShardInfo
 from shardloader.io.checksum import checksum_stream, parse_checksum
 from shardloader.io.identity import FileIdentity, path_identity
-from shardloader.io.paths import strip_file_scheme
+from shardloader.io.paths import resolve_inside_root, strip_file_scheme
 from shardloader.source.protocol import ShardSource
 
 
@@ -62,6 +62,9 @@ class LocalSource(ShardSource):
     path has another identity (inode, size, mtime) than the one it verified: a file replaced by
     rename or rewritten in place during a run is checked against the index before it is read.
     With `verify=False` only the size is checked against the index.
+    A shard whose path leads out of the root through a symbolic link (its own or a
+    directory's) is refused with UnsafePathError, checked whenever the file is (re)verified;
+    `allow_links_outside_root=True` reads it anyway. Links inside the root are fine.
 
     The rest of `ShardSource` keeps its null defaults: nothing to release, prefetch or read by
     range, and counters that stay zeros.
@@ -69,9 +72,10 @@ class LocalSource(ShardSource):
 
     reads_in_place = True
 
-    def __init__(self, root: str, *, verify: bool = True) -> None:
+    def __init__(self, root: str, *, verify: bool = True, allow_links_outside_root: bool = False) -> None:
         self.root = os.path.abspath(strip_file_scheme(root))
         self.verify = verify
+        self.allow_links_outside_root = allow_links_outside_root
         self._verified: dict[str, FileIdentity] = {}
         self._pid = os.getpid()
         self._lock = threading.Lock()
@@ -88,6 +92,9 @@ class LocalSource(ShardSource):
         before = self._verified.get(info.path)
         if before == now:
             return path
+        # a link retargeted since gives another identity: this check runs again then
+        resolve_inside_root(self.root, info.path, what=f"shard {info.path!r}",
+                            allow_outside=self.allow_links_outside_root)
         try:
             if self.verify:
                 now = verify_local_file(path, info)
@@ -109,7 +116,9 @@ class LocalSource(ShardSource):
         return self._verified.get(info.path)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"root": self.root, "verify": self.verify}
+        return {"root": self.root, "verify": self.verify,
+                "allow_links_outside_root": self.allow_links_outside_root}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["root"], verify=state["verify"])
+        self.__init__(state["root"], verify=state["verify"],
+                      allow_links_outside_root=state.get("allow_links_outside_root", False))
