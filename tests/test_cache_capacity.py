@@ -115,9 +115,12 @@ def test_a_limit_of_a_fraction_of_the_data_gives_the_unlimited_batches(
     # ...and neither did the disk (a scan may see a shard in tmp/ and data/ once while it moves).
     biggest = max(s.bytes for s in index.shards)
     assert 0 < disk.peak <= limit + biggest, (disk.peak, limit)
-    # Every shard was downloaded; each download beyond the first of a shard is a re-download
-    # of a shard evicted earlier.
-    assert node["downloads"] - node["redownloads"] == SHARDS, node
+    # Every shard was downloaded, but for those whose download the prefetcher still had in
+    # flight when the last batch came (their rows were read by range; at most `concurrency`,
+    # 4, see below): seen once in a clean-clone run with a core kept busy, 59 of 60. Each
+    # download beyond the first of a shard is a re-download of a shard evicted earlier.
+    first_downloads = node["downloads"] - node["redownloads"]
+    assert SHARDS - 4 <= first_downloads <= SHARDS, node
     assert node["evictions"] > 0 and node["evictions"] >= node["redownloads"], node  # the limit held
     # The per-batch telemetry counted every byte downloaded before the last batch. Rows are read
     # by range while the prefetcher downloads whole shards behind them, so downloads it still
