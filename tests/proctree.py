@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +78,23 @@ def wait_gone(procs: list[Proc], timeout: float) -> list[Proc]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.05)
+
+
+def kill_group(proc: subprocess.Popen, tree: Sequence[Proc] = ()) -> None:
+    """Clean up after a test (in its `finally`): the snapshotted tree's survivors (torchrun's
+    ranks run in sessions of their own), what is below the trainer now, and the trainer's
+    session (`proc` must have been started with `start_new_session=True`)."""
+    for p in [*tree, *descendants(proc.pid)]:
+        if alive(p):
+            try:
+                os.kill(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def with_env(name: str, value: str) -> list[Proc]:

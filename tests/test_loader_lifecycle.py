@@ -16,7 +16,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from shardloader import Dataset, Loader
 from shardloader.errors import StateError, WorkerError
 from shardloader.ingest.writer import write_shards
 from tests.integration_runs import readline
-from tests.proctree import Proc, alive, descendants, wait_gone
+from tests.proctree import Proc, descendants, kill_group, wait_gone
 from tests.resume import assert_exact_epoch_loop_resume, epoch_loop, take
 from tests.sample_transforms import make_samples as _samples
 from tests.sample_transforms import noisy_crop
@@ -404,23 +403,7 @@ def test_sigkilled_trainer_leaves_no_process(dataset_dir, tmp_path, mlflow_local
         assert not left, f"alive {ORPHAN_DEADLINE} s after the trainer's SIGKILL: " + "; ".join(
             p.describe() for p in left)
     finally:
-        _kill_group(proc, tree)
-
-
-def _kill_group(proc: subprocess.Popen, tree: Sequence[Proc] = ()) -> None:
-    """Clean up after a failed test: the snapshotted tree's survivors (torchrun's ranks run in
-    sessions of their own), what is below the trainer now, and the trainer's session."""
-    for p in [*tree, *descendants(proc.pid)]:
-        if alive(p):
-            try:
-                os.kill(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+        kill_group(proc, tree)
 
 
 def _free_port() -> int:
@@ -453,7 +436,7 @@ def test_sigkilled_ranks_under_torchrun_leave_no_process(dataset_dir, tmp_path, 
             p.describe() for p in left)
         proc.wait(timeout=60)  # torchrun notices its workers died and ends
     finally:
-        _kill_group(proc, tree)
+        kill_group(proc, tree)
 
 
 def test_descendants_sees_a_process_tree():

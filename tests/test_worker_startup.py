@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import os
 import pickle
 import signal
 import socket
@@ -28,7 +27,7 @@ from shardloader.errors import WorkerError
 from shardloader.loader.workers import pool as pool_module
 from shardloader.synthetic import make_image_samples
 from tests.integration_runs import env, readline
-from tests.proctree import Proc, alive, descendants, wait_gone
+from tests.proctree import Proc, descendants, kill_group, wait_gone
 from tests.resume import assert_same_batches
 
 RUN_TIMEOUT = 120  # seconds for one reproduction script, start to end (it takes a few)
@@ -212,11 +211,6 @@ def test_workers_of_a_loader_made_on_a_thread_die_with_the_sigkilled_trainer(ima
         assert not left, f"alive {ORPHAN_DEADLINE} s after the trainer's SIGKILL: " + "; ".join(
             p.describe() for p in left)
     finally:
-        for p in [*tree, *descendants(proc.pid)]:
-            if alive(p):
-                os.kill(p.pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(30)
+        kill_group(proc, tree)
         if proc.stdout is not None:
             proc.stdout.close()

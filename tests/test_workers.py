@@ -23,7 +23,7 @@ from shardloader.loader.batches import BatchTask
 from shardloader.loader.workers import pool as workers
 from shardloader.loader.workers import slots
 from tests.integration_runs import readline
-from tests.proctree import Proc, alive, descendants, wait_gone
+from tests.proctree import Proc, descendants, kill_group, wait_gone
 from tests.resume import assert_identical, assert_same_batches, record
 from tests.sample_transforms import make_samples, noisy_crop
 
@@ -402,12 +402,7 @@ def test_a_sigkilled_trainer_leaves_no_worker_under_forkserver(dataset_dir, tmp_
         assert not left, f"alive {KILL_DEADLINE} s after the trainer's SIGKILL: " + "; ".join(
             p.describe() for p in left)
     finally:
-        for p in [*tree, *descendants(proc.pid)]:
-            if alive(p):
-                os.kill(p.pid, signal.SIGKILL)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        kill_group(proc, tree)
 
 
 _TARGET = """
