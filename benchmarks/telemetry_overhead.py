@@ -6,8 +6,9 @@ writing every step's 11 metrics into a local MLflow store (sqlite in a temp dir:
 default kind of store, no server), "mlflow-thread" the same with `process=False` (MLflow's work
 in a thread of the training process), "mlflow-silent" the default logger against a tracking
 server that accepts connections and never answers (a listening socket nobody reads; the
-logger's constructor time is reported, and it is closed with `close(timeout=3)`), and "jsonl"
-a `JsonlLogger`. Each repeat iterates one epoch of a small Arrow dataset as fast as the loader
+logger's constructor time is reported, and it is closed with `close(timeout=3)`), "jsonl"
+a `JsonlLogger`, and "job" no sink but a `Checkpointer` open on a local root: the job's
+account (`shardloader.telemetry.job`) records every next() of the loader. Each repeat iterates one epoch of a small Arrow dataset as fast as the loader
 delivers (no training step: the worst case, where telemetry's share is largest), modes
 interleaved so that machine drift hits all of them alike. Reported: median samples/s over the
 repeats, the ratio to "off" (goal >= 0.99) of the medians and of the best runs (the best run
@@ -33,12 +34,13 @@ from typing import Any
 import numpy as np
 
 from benchmarks._common import load_average, machine, table
+from shardloader.checkpoint import Checkpointer
 from shardloader.dataset.sharded import Dataset
 from shardloader.ingest.writer import write_shards
 from shardloader.loader import Loader
 from shardloader.telemetry import JsonlLogger, MLflowLogger
 
-MODES = ("off", "mlflow", "mlflow-thread", "mlflow-silent", "jsonl")
+MODES = ("off", "mlflow", "mlflow-thread", "mlflow-silent", "jsonl", "job")
 SILENT_CLOSE_TIMEOUT = 3.0
 
 
@@ -76,6 +78,7 @@ def one_epoch(path: str, mode: str, tracking_uri: str, tmp: str, workers: int,
     elif mode == "jsonl":
         sink = JsonlLogger(os.path.join(tmp, f"t-{time.monotonic_ns()}.jsonl"))
     construct = time.perf_counter() - construct if sink is not None else 0.0
+    ckpt = Checkpointer(os.path.join(tmp, f"job-{time.monotonic_ns()}")) if mode == "job" else None
     loader = Loader(Dataset(path), batch, num_workers=workers, seed=1, telemetry=sink,
                     worker_type="process", shuffle=True, persistent_workers=workers > 0)
     iterator = iter(loader)
@@ -97,6 +100,8 @@ def one_epoch(path: str, mode: str, tracking_uri: str, tmp: str, workers: int,
         close_seconds = time.perf_counter() - t
         dropped = sink.dropped
     loader.close()
+    if ckpt is not None:
+        ckpt.close()
     return seconds, dropped, close_seconds, cpu, construct
 
 

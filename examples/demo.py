@@ -8,7 +8,9 @@
 4. Prints throughput, the stall fraction (how long training waited for data), the checkpoint's
    blocking time against `torch.save`, and the verdict: are the final weights of the killed and
    resumed run bit for bit those of the uninterrupted run?
-5. Checks that no process it started (directly or not: loader workers, the MLflow writer, the
+5. Accounts for the killed-and-resumed job across both its attempts (`shardloader report
+   --job`): where its wall time went, the steps the kill cost, samples trained twice or never.
+6. Checks that no process it started (directly or not: loader workers, the MLflow writer, the
    SIGKILLed run's children) is still alive, and says so; any survivor fails the demo.
 
 Everything lands in ./demo-output (the MLflow store, the stall report and plot, checkpoints).
@@ -238,6 +240,12 @@ def main() -> None:
         run(SHARDLOADER + ["report", summary["mlflow_run_id"], "--tracking-uri", args.mlflow,
                            "--plot", report_png])
 
+    print("\n== 5. the job's account: both attempts of the killed-and-resumed job", flush=True)
+    job_dir, job_png = os.path.join(out, "checkpoints-resumed"), os.path.join(out, "job-report.png")
+    run(SHARDLOADER + ["report", "--job", job_dir, "--plot", job_png])
+    job = json.loads(subprocess.run(SHARDLOADER + ["report", "--job", job_dir, "--json", "--plot", job_png],
+                                    cwd=ROOT, check=True, capture_output=True, text=True).stdout)
+
     reference = torch.load(os.path.join(out, "final-reference.pt"), weights_only=True)
     resumed = torch.load(os.path.join(out, "final-resumed.pt"), weights_only=True)
     equal, tensors = same_state(reference, resumed)
@@ -260,6 +268,11 @@ def main() -> None:
           f"{1e3 * scale_torch:.0f} ms ({scale_torch / scale_ours:.1f}x less)")
     print(f"killed at step        {kill_at} (SIGKILL), resumed from the newest complete checkpoint")
     verdict = "EXACT: identical" if equal else "MISMATCH: different"
+    lost = sum(a["lost_steps"] for a in job["attempts"])
+    print(f"job account           goodput {100 * job['goodput']:.1f}% of {job['wall_seconds']:.0f} s over "
+          f"{len(job['attempts'])} attempts; {lost} steps lost to the kill and recomputed; samples "
+          f"trained twice {job['samples']['trained_twice']}, never {job['samples']['never_trained']} "
+          f"(timeline: {job_png})")
     print(f"exact resume          {verdict} final weights and optimizer state ({tensors} tensors, torch.equal)")
     print(f"MLflow store          {args.mlflow}  (mlflow ui --backend-store-uri {args.mlflow})")
     if os.path.exists(report_png):

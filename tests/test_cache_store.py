@@ -122,6 +122,28 @@ def test_damage_after_this_process_verified_is_caught_on_the_next_open(six_shard
                for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
+def test_rewrite_in_place_with_mtime_put_back_is_fetched_again(six_shards, tmp_path, caplog):
+    """Issue 25 item 4: a cached file rewritten in place (same size and inode, mtime restored)
+    is hashed again on the next open (its inode change time moved), removed and fetched again;
+    the file this process downloaded itself is trusted on its next opens (its identity is taken
+    after the rename that installed it, which moves the change time too)."""
+    from tests.test_format_identity import rewrite_keeping_mtime
+
+    ds, index = six_shards
+    info = index.shards[2]
+    src = source(ds, tmp_path, "10MB")
+    good = open(os.path.join(ds, info.path), "rb").read()
+    assert read_and_release(src, info) == good
+    assert read_and_release(src, info) == good
+    assert src.counters()["verify_seconds"] == 0  # downloaded and hashed here: not again
+    path = src.store.path_for(info)
+    rewrite_keeping_mtime(path, bytes(len(good)))
+    assert read_and_release(src, info) == good
+    assert src.counters()["corrupt_refetched"] == 1 and src.counters()["downloads"] == 2
+    warned = [r.getMessage() for r in caplog.records if "failed verification" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(f"{info.path}: cached file {path}")
+
+
 def usage(src) -> int:
     u = usage_of(src.store)
     return u["data_bytes"] + u["tmp_bytes"]

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 from shardloader import Dataset, Loader
-from shardloader.errors import ShardChangedError, ShardError
+from shardloader.errors import ChecksumMismatch, ShardChangedError, ShardError
 from shardloader.format.arrow import ArrowShardReader
 from shardloader.format.parquet import ParquetShardReader
 from shardloader.format.registry import open_shard
@@ -88,8 +88,29 @@ def _mutate(kind: str, path: str, other: str) -> None:
         size = os.path.getsize(path)
         with open(other, "rb") as src, open(path, "r+b") as dst:
             dst.write(src.read()[:size].ljust(size, b"\0"))
+    elif kind == "overwrite_mtime_kept":  # the same, and the mtime put back (rsync --inplace -t)
+        size = os.path.getsize(path)
+        with open(other, "rb") as src:
+            rewrite_keeping_mtime(path, src.read()[:size].ljust(size, b"\0"))
     else:
         raise AssertionError(kind)
+
+
+def rewrite_keeping_mtime(path: str, data: bytes) -> None:
+    """Write `data` (as long as the file) over `path` in place and put its mtime back, as
+    `rsync --inplace --times` or `touch -r` do: size, inode and mtime stay; only the inode
+    change time, which users cannot set, moves. Written again while the kernel's coarse clock
+    has not ticked since the file's last change (the change time would not show it)."""
+    st = os.stat(path)
+    assert len(data) == st.st_size
+    while True:
+        with open(path, "r+b") as f:
+            f.write(data)
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        now = os.stat(path)
+        if now.st_ctime_ns != st.st_ctime_ns:
+            break
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _plan(order: list[tuple[int, ...]], offsets: np.ndarray, kind: str,
@@ -109,7 +130,7 @@ def _plan(order: list[tuple[int, ...]], offsets: np.ndarray, kind: str,
     for k in range(1, len(order) - lag - step):
         mine = shards[k + lag]
         later = shards[k + lag + step::step]
-        if kind in ("truncate", "overwrite"):
+        if kind in ("truncate", "overwrite", "overwrite_mtime_kept"):
             if later[0][0] == mine[-1]:
                 return k, mine[-1]
         elif mine[0] != mine[-1] and any(mine[0] in s for s in later):
@@ -175,7 +196,8 @@ def _in_child(target: Any, *args: Any) -> Any:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("kind", ["rename", "truncate", "overwrite", "rename_identical"])
+@pytest.mark.parametrize("kind", ["rename", "truncate", "overwrite", "overwrite_mtime_kept",
+                                  "rename_identical"])
 def test_shard_changed_during_epoch_is_correct_data_or_an_error_naming_it(
         small_dataset, tmp_path, kind, num_workers):
     ds_root, other_root = small_dataset
@@ -265,11 +287,13 @@ def test_renamed_over_file_leaves_an_open_reader_on_its_verified_bytes(arrow_dat
 
 
 def test_identity_change_words(tmp_path):
-    a = FileIdentity(1, 2, 100, 5)
-    assert a.change_to(FileIdentity(1, 3, 100, 5)) == "it was replaced by another file"
-    assert a.change_to(FileIdentity(1, 2, 40, 6)) == "it shrank from 100 to 40 bytes"
-    assert a.change_to(FileIdentity(1, 2, 140, 6)) == "it grew from 100 to 140 bytes"
-    assert a.change_to(FileIdentity(1, 2, 100, 6)) == "it was modified in place"
+    a = FileIdentity(1, 2, 100, 5, 7)
+    assert a.change_to(FileIdentity(1, 3, 100, 5, 7)) == "it was replaced by another file"
+    assert a.change_to(FileIdentity(1, 2, 40, 6, 8)) == "it shrank from 100 to 40 bytes"
+    assert a.change_to(FileIdentity(1, 2, 140, 6, 8)) == "it grew from 100 to 140 bytes"
+    assert a.change_to(FileIdentity(1, 2, 100, 6, 8)) == "it was modified in place"
+    assert a.change_to(FileIdentity(1, 2, 100, 5, 8)).startswith(
+        "its inode changed with its size and mtime kept (rewritten in place with its mtime put back")
     path = tmp_path / "f"
     path.write_bytes(b"x" * 10)
     fd = os.open(path, os.O_RDONLY)
@@ -281,3 +305,37 @@ def test_identity_change_words(tmp_path):
             guard.check()
     finally:
         os.close(fd)
+
+
+def test_rewrite_in_place_with_mtime_put_back_is_verified_again(arrow_dataset, tmp_path, monkeypatch):
+    """Issue 25 item 4: same size, same inode, mtime restored with os.utime; the inode change
+    time moved, so the next read verifies the shard again and fails naming it. Opening it again
+    while it is unchanged does not verify it again."""
+    import shardloader.source.local as local
+
+    verified: list[str] = []
+    real_verify = local.verify_local_file
+
+    def counting_verify(path: str, info: Any) -> Any:
+        verified.append(os.path.basename(path))
+        return real_verify(path, info)
+
+    monkeypatch.setattr(local, "verify_local_file", counting_verify)
+    root = copy_dataset(arrow_dataset, tmp_path)
+    ds = Dataset(root, max_open_shards=1)  # every switch of shard closes and reopens a reader
+    for i in (0, 70, 1, 71, 2):
+        assert ds[i]["data"] == arrow_dataset.samples[i]["data"]
+    assert verified == ["shard-00000.arrow", "shard-00001.arrow"]  # once each, reopens trusted
+    path = os.path.join(root, "shard-00000.arrow")
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    data[-4096:-2048] = bytes(2048)  # other bytes, same size
+    rewrite_keeping_mtime(path, bytes(data))
+    checksum = arrow_dataset.index.shards[0].checksum
+    with pytest.raises(ChecksumMismatch) as caught:  # the open reader notices, the reopen verifies
+        ds.get_many(list(range(64)))
+    assert str(caught.value).startswith(f"{path}: checksum ")
+    assert f"does not match the index ({checksum}); the file changed during the run (its inode " \
+           "changed with its size and mtime kept" in str(caught.value)
+    assert verified[2:] == ["shard-00000.arrow"]
+    ds.close()

@@ -41,6 +41,12 @@ class CacheFullError(ShardloaderError):
     """The cache limit is smaller than what must be resident at once."""
 
 
+class CacheDiskError(ShardloaderError):
+    """The node cache's directory cannot be written: its filesystem is read-only or full, or
+    this user may not write there. The message names the directory, what was being written and
+    the filesystem's free space."""
+
+
 class WorkerError(ShardloaderError):
     """A worker process died or raised while producing a batch."""
 

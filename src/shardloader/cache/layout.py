@@ -2,6 +2,8 @@
 
     <root>/data/<d[:2]>/<algorithm>-<digest>.<format>   whole, verified shards (content-addressed)
     <root>/data/<d[:2]>/<name><suffix>                  companion files of a shard (tar offsets)
+    <root>/data/<d[:2]>/<algorithm>-<digest>.<kind>     range sidecars (`sidecars.py`), named by
+                                                        their own checksum; kind: ranges, offsets
     <root>/tmp/<name>.<pid>.<token>.part               downloads in progress (never read)
     <root>/locks/<name>.lock                            per-shard download lock (flock)
     <root>/locks/bookkeeping.lock                       guards sizes, reservations, eviction
@@ -9,8 +11,10 @@
     <root>/index/                                       the ledger (diskcache)
 
 File names are built only from the checksum (algorithm from a fixed list, digest checked to be
-lowercase hex) and the shard format (from a fixed list): nothing taken from the index is used as
-a path without validation.
+lowercase hex) and the shard format or sidecar kind (from fixed lists): nothing taken from the
+index is used as a path without validation. Shards and sidecars are both *entries* of the cache
+(a file under `data/`, a ledger entry, a download lock): counted in its limit, evicted, pruned
+and verified alike.
 """
 
 from __future__ import annotations
@@ -24,15 +28,21 @@ from dataclasses import dataclass
 from shardloader.cache.locks import make_private_dir
 from shardloader.errors import ShardError
 from shardloader.format.index import ShardInfo
+from shardloader.format.ranges import RANGES_KEY
 from shardloader.format.registry import FORMATS
 from shardloader.io.checksum import parse_checksum
 
 ALGORITHMS = ("xxh3_128", "blake2b")
 #: Files kept next to a shard: the formats' companion sidecars (a tar's offsets).
 COMPANION_SUFFIXES = tuple(f.companion.suffix for f in FORMATS.values() if f.companion is not None)
+#: Sidecars a read by range needs, cached as entries of their own (see `sidecars.py`): the range
+#: table of every format, and the formats' companions (a tar's offsets), by their index key.
+SIDECAR_KINDS = tuple(dict.fromkeys(
+    [RANGES_KEY] + [f.companion.key for f in FORMATS.values() if f.companion is not None]))
+assert not set(SIDECAR_KINDS) & set(FORMATS), "a sidecar kind must not be a format's name"
 _NAME = re.compile(
     r"^(?P<algorithm>" + "|".join(ALGORITHMS) + r")-(?P<digest>[0-9a-f]{16,128})"
-    r"\.(?P<format>" + "|".join(FORMATS) + r")$"
+    r"\.(?P<format>" + "|".join([*FORMATS, *SIDECAR_KINDS]) + r")$"
 )
 _TEMP = re.compile(r"^(?P<name>[^/]+)\.(?P<pid>\d+)\.(?P<token>[0-9a-f]+)\.part$")
 
@@ -52,8 +62,29 @@ def cache_name(info: ShardInfo) -> str:
     return name
 
 
+def sidecar_name(checksum: str, kind: str) -> str:
+    """The content-addressed file name of a sidecar of `kind` (one of `SIDECAR_KINDS`) whose
+    index entry gives `checksum`; ValueError when that cannot name a cache file."""
+    if kind not in SIDECAR_KINDS:
+        raise ValueError(f"sidecar kind {kind!r} is not one of {', '.join(SIDECAR_KINDS)}")
+    algorithm, digest = parse_checksum(checksum)
+    name = f"{algorithm}-{digest}.{kind}"
+    if not _NAME.match(name):
+        raise ValueError(
+            f"checksum {checksum!r} cannot name a cache file (the digest must be 16-128 "
+            f"lowercase hex digits, the algorithm one of {', '.join(ALGORITHMS)})"
+        )
+    return name
+
+
+def is_sidecar(name: str) -> bool:
+    """True for the cache name of a sidecar entry (see `sidecar_name`), False for a shard's."""
+    match = _NAME.match(name)
+    return match is not None and match["format"] in SIDECAR_KINDS
+
+
 def parse_cache_name(name: str) -> tuple[str, str] | None:
-    """(checksum, format) for a valid cache file name, else None."""
+    """(checksum, format or sidecar kind) for a valid cache file name, else None."""
     match = _NAME.match(name)
     if match is None:
         return None
@@ -121,7 +152,7 @@ class CacheLayout:
                 yield os.path.join(self.tmp_dir, entry)
 
     def data_files(self) -> Iterator[tuple[str, str]]:
-        """(name, path) of every well-named shard file under data/."""
+        """(name, path) of every well-named entry under data/: shards and sidecars."""
         for sub in sorted(os.listdir(self.data_dir)):
             subdir = os.path.join(self.data_dir, sub)
             if not os.path.isdir(subdir) or os.path.islink(subdir):

@@ -12,7 +12,9 @@ Every read and write of the database goes through this class, with typed records
   high-water mark of committed plus reserved bytes, which proves the limit held.
 
 Writers that change sizes or reservations hold the bookkeeping lock (see `locks.py`); the
-database itself is safe for many processes (sqlite).
+database itself is safe for many processes (sqlite). Its write-ahead log is kept small
+(`LEDGER_WAL_PAGES`), and a write the filesystem refuses (read-only, full) is a CacheDiskError
+naming the cache, the record and the free space (see `space.py`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from shardloader.cache.space import disk_errors
 
 # sqlite must not be inside a call in any thread when the process forks: a child that inherits
 # one of sqlite's internal mutexes locked hangs in its first sqlite call (seen: a loader worker
@@ -40,21 +44,36 @@ os.register_at_fork(before=lambda: _SQLITE_GUARD.acquire(),
                     after_in_child=_fresh_guard_in_child)
 
 
-class _GuardedCache:
-    """A diskcache.Cache whose every call holds the fork guard."""
+#: sqlite's write-ahead log is checkpointed every this many pages (its default, 1000 pages,
+#: let the ledger of a small cache take 4 MiB of disk besides its shards), and truncated back to
+#: `LEDGER_WAL_BYTES` after a checkpoint; `space.DISK_MARGIN` leaves room for it.
+LEDGER_WAL_PAGES = 64
+LEDGER_WAL_BYTES = 256 << 10
+_DOING = {"set": "writing", "delete": "deleting", "incr": "updating", "pop": "removing",
+          "get": "reading", "iterkeys": "listing", "close": "closing"}
 
-    def __init__(self, directory: str) -> None:
+
+class _GuardedCache:
+    """A diskcache.Cache whose every call holds the fork guard, and whose refusals by the
+    filesystem (read-only, full) are CacheDiskErrors naming the cache and the record."""
+
+    def __init__(self, directory: str, root: str) -> None:
         import diskcache
 
-        with _SQLITE_GUARD:
+        self._directory, self._root = directory, root
+        with _SQLITE_GUARD, disk_errors(root, f"opening its ledger in {directory}", path=directory):
             self._cache = diskcache.Cache(directory, eviction_policy="none", size_limit=2**62,
-                                          statistics=False, tag_index=False)
+                                          statistics=False, tag_index=False,
+                                          sqlite_wal_autocheckpoint=LEDGER_WAL_PAGES,
+                                          sqlite_journal_size_limit=LEDGER_WAL_BYTES)
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._cache, name)
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
-            with _SQLITE_GUARD:
+            record = f" record {args[0]!r}" if args and isinstance(args[0], str) else "s"
+            doing = f"{_DOING.get(name, name)} the ledger{record} in {self._directory}"
+            with _SQLITE_GUARD, disk_errors(self._root, doing, path=self._directory):
                 result = method(*args, **kwargs)
                 return list(result) if name == "iterkeys" else result
 
@@ -90,10 +109,11 @@ def _int(value: Any) -> int | None:
 
 
 class Ledger:
-    """Typed access to the cache's diskcache database in `directory`."""
+    """Typed access to the cache's diskcache database in `directory` (of the cache at `root`,
+    named in errors; default: the parent of `directory`)."""
 
-    def __init__(self, directory: str) -> None:
-        self._db = _GuardedCache(directory)
+    def __init__(self, directory: str, root: str | None = None) -> None:
+        self._db = _GuardedCache(directory, root or os.path.dirname(os.path.abspath(directory)))
 
     def _scan(self, kind: str) -> Iterator[tuple[str, Any]]:
         prefix = kind + "/"

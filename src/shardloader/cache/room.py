@@ -9,7 +9,9 @@ no room, idle readers give up their pins: this process's at once (the releasers 
 registered), other processes' through the pressure signal, while the reader waits a bounded time
 (`full_timeout`). Prefetch never takes room a waiting reader needs: it backs off while a reader
 waits, and its reservations stay below `limit - reader_reserve`. Only when pins that nobody can
-give up leave no room does `CacheFullError` say so, never a hang.
+give up leave no room does `CacheFullError` say so, never a hang. Room is also bounded by the
+cache's filesystem, whatever the limit: a download is planned only when it fits in the free
+space (after evictions) less the downloads in flight and `space.DISK_MARGIN`.
 
 The cache these functions work for is given as a `RoomKeeper` (the store's `ShardCache`), so
 that this module does not import the store.
@@ -28,6 +30,7 @@ from shardloader.cache.ledger import Ledger, Reservation
 from shardloader.cache.locks import close_fd, held_elsewhere, try_exclusive
 from shardloader.cache.pressure import POLL_SECONDS, PressureSignal
 from shardloader.cache.shard_files import unlink_companions
+from shardloader.cache.space import DISK_MARGIN, free_space, pending_writes
 from shardloader.errors import CacheFullError
 from shardloader.format.index import ShardInfo
 from shardloader.units import format_size
@@ -67,13 +70,15 @@ class RoomKeeper(Protocol):
 
 @dataclass(frozen=True)
 class RoomShortage:
-    """Why a reservation did not fit: bytes pinned by this process, by others, in flight."""
+    """Why a reservation did not fit: bytes pinned by this process, by others, in flight, and
+    (when the filesystem's free space, not the limit, was the bound) the bytes it had free."""
 
     needed: int
     total: int
     pinned_here: int
     pinned_elsewhere: int
     reserved: int
+    disk_free: int | None = None
 
 
 def reserve(cache: RoomKeeper, info: ShardInfo, name: str, size: int, *, prefetch: bool) -> None:
@@ -113,6 +118,19 @@ def reserve(cache: RoomKeeper, info: ShardInfo, name: str, size: int, *, prefetc
 
 
 def _full_message(cache: RoomKeeper, info: ShardInfo, size: int, s: RoomShortage) -> str:
+    if s.disk_free is not None:
+        return (
+            f"cache {cache.root}: no room for shard {info.path} ({format_size(size)}) on the "
+            f"cache's filesystem: it has {format_size(s.disk_free)} free, less "
+            f"{format_size(DISK_MARGIN)} the cache leaves for its ledger: "
+            f"{format_size(max(0, s.disk_free - DISK_MARGIN))} for shards; shards being read pin "
+            f"{format_size(s.pinned_here)} in this process and {format_size(s.pinned_elsewhere)} "
+            f"in others, with {format_size(s.reserved)} of downloads in flight. Other files "
+            f"take the space (the cache limit, {format_size(cache.limit)}, is not reached): "
+            f"free space on that filesystem, lower num_workers or the ranks per node (each "
+            f"reader holds one shard), or point cache_dir (or $SHARDLOADER_CACHE_DIR) at a "
+            f"filesystem with room"
+        )
     return (
         f"cache {cache.root}: no room for shard {info.path} ({format_size(size)}): the "
         f"limit is {format_size(cache.limit)} and shards being read pin "
@@ -123,15 +141,21 @@ def _full_message(cache: RoomKeeper, info: ShardInfo, size: int, s: RoomShortage
     )
 
 
-def make_room(cache: RoomKeeper, name: str, size: int, *, prefetch: bool = False) -> RoomShortage | None:
+def make_room(cache: RoomKeeper, name: str, size: int, *, prefetch: bool = False,
+              disk: bool = True) -> RoomShortage | None:
     """Evict until `size` more bytes fit (caller holds the bookkeeping lock); None when
     they fit, else what stands in the way. Least recently used first, shards that no
     reader opened yet last. A prefetch evicts only shards that were read, and must leave
-    `reader_reserve` bytes to readers beyond the reservations of other prefetches."""
+    `reader_reserve` bytes to readers beyond the reservations of other prefetches.
+
+    With `disk` (all but `prune`), what fits is also bounded by the filesystem: the download
+    and those in flight must fit in its free space (plus what evictions free) less
+    `DISK_MARGIN`, whatever the limit says: see `disk_bound`."""
     ledger = cache.ledger
     committed = ledger.entries()
     entries = {n: e.bytes for n, e in committed.items()}
     reserved = prefetching = 0
+    in_flight: dict[str, int] = {}
     for other, reservation in ledger.reservations().items():
         if other == name:
             continue
@@ -140,16 +164,22 @@ def make_room(cache: RoomKeeper, name: str, size: int, *, prefetch: bool = False
             continue
         reserved += reservation.bytes
         prefetching += reservation.bytes if reservation.prefetch else 0
-    if prefetch and prefetching + size > cache.limit - cache.reader_reserve:
-        return RoomShortage(size, sum(entries.values()) + reserved, 0, 0, reserved)
+        in_flight[other] = reservation.bytes
+    limit, disk_free = cache.limit, None
+    if disk:
+        bound = disk_bound(cache, sum(entries.values()), reserved, in_flight)
+        if bound is not None and bound[0] < limit:
+            limit, disk_free = bound
+    if prefetch and prefetching + size > limit - cache.reader_reserve:
+        return RoomShortage(size, sum(entries.values()) + reserved, 0, 0, reserved, disk_free)
     total = sum(entries.values()) + reserved
-    if total + size > cache.limit:
+    if total + size > limit:
         pinned_here = pinned_elsewhere = 0
         # Shards no reader opened since they arrived (prefetched ahead) go last, and a
         # prefetch never evicts them: it would throw away what it fetched for the readers.
         unread = {n for n, e in committed.items() if ledger.opened_at(n) < e.created}
         for victim in sorted(entries, key=lambda n: (n in unread, ledger.atime(n), n)):
-            if total + size <= cache.limit:
+            if total + size <= limit:
                 break
             if prefetch and victim in unread:
                 break
@@ -160,10 +190,25 @@ def make_room(cache: RoomKeeper, name: str, size: int, *, prefetch: bool = False
                     pinned_elsewhere += entries[victim]
                 continue
             total -= entries[victim]
-        if total + size > cache.limit:
-            return RoomShortage(size, total, pinned_here, pinned_elsewhere, reserved)
+        if total + size > limit:
+            return RoomShortage(size, total, pinned_here, pinned_elsewhere, reserved, disk_free)
     ledger.note_usage(total + size)
     return None
+
+
+def disk_bound(cache: RoomKeeper, committed: int, reserved: int,
+               in_flight: dict[str, int]) -> tuple[int, int] | None:
+    """(the most committed plus reserved bytes the filesystem allows now, its free bytes), or
+    None when its free space is unknown. Evicting a shard frees its bytes on disk as well as
+    in the limit, so the bound is the committed bytes plus the free space, less what downloads
+    in flight (`in_flight`: name -> bytes reserved) have still to write and `DISK_MARGIN`,
+    plus the reservations (already counted in the total it bounds)."""
+    space = free_space(cache.root)
+    if space is None:
+        return None
+    free = space[0]
+    pending = pending_writes(cache.layout.tmp_dir, in_flight)
+    return committed + reserved + free - pending - DISK_MARGIN, free
 
 
 def _evict(cache: RoomKeeper, name: str) -> int | None:

@@ -19,8 +19,9 @@ Rules that make the cache trustworthy (design invariant I6):
   that lock; a reader that raced with an eviction notices that its descriptor no longer matches
   the name and fetches again.
 * Each process hashes a cached file the first time it opens it (and again when the file's
-  inode, size or mtime changed), so a file damaged since an earlier check is caught, removed and
-  fetched again.
+  identity changed: inode, size, mtime or inode change time, see `shardloader.io.identity`), so
+  a file damaged since an earlier check, even in place with its mtime put back, is caught,
+  removed and fetched again.
 * Space: committed shards plus reservations of downloads in flight never exceed `limit`.
   `room.py` reserves room for each download, evicting least recently used unpinned shards;
   when pinned shards leave no room, idle readers give up their pins (in this process and, via
@@ -47,8 +48,12 @@ from shardloader.cache.pressure import PressureSignal, PressureWatcher
 from shardloader.cache.reconcile import reconcile
 from shardloader.cache.room import reserve
 from shardloader.cache.shard_files import hash_file, remove_temps, unlink_companions
+from shardloader.cache.space import disk_errors
+from shardloader.errors import CacheDiskError
 from shardloader.format.index import ShardInfo
 from shardloader.io.files import fsync_dir
+from shardloader.io.identity import FileIdentity
+from shardloader.units import format_size
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +63,8 @@ Releaser = Callable[[], int]
 COUNTER_NAMES = (
     "cache_hits", "cache_misses", "bytes_downloaded", "download_seconds", "wait_seconds",
     "verify_seconds", "downloads", "prefetched", "retries", "evictions", "bytes_evicted",
-    "corrupt_refetched", "redownloads", "idle_released", "full_waits",
+    "corrupt_refetched", "redownloads", "idle_released", "full_waits", "bytes_from_cache",
+    "bytes_redownloaded",
 )
 
 
@@ -77,16 +83,21 @@ class ShardCache:
     """A node-level, size-limited, content-addressed cache of verified shard files.
 
     `reader_reserve` is the room (bytes) prefetch downloads must leave free for readers; the
-    capacity check sets it from the configuration (see `capacity.py`)."""
+    capacity check sets it from the configuration (see `capacity.py`). `fresh_after` (unix
+    seconds: when the run reading through this cache began) tells `bytes_from_cache` which
+    unread shards were prefetched for this run (see `_saved_download`)."""
 
-    def __init__(self, root: str | os.PathLike[str], limit: int, *, full_timeout: float = 30.0):
+    def __init__(self, root: str | os.PathLike[str], limit: int, *, full_timeout: float = 30.0,
+                 fresh_after: float = 0.0):
         if limit <= 0:
             raise ValueError(f"cache limit must be positive, got {limit}")
-        self.layout = CacheLayout.create(root)
+        with disk_errors(os.path.abspath(os.fspath(root)), "creating its directories"):
+            self.layout = CacheLayout.create(root)
         self.root = self.layout.root
         self.limit = int(limit)
         self.full_timeout = float(full_timeout)
         self.reader_reserve = 0
+        self.fresh_after = float(fresh_after)
         self.pressure = PressureSignal(self.layout.pressure_file)
         self._mutex = threading.RLock()
         self._reset_process_state()
@@ -97,7 +108,7 @@ class ShardCache:
         self._pid = os.getpid()
         self._ledger: Ledger | None = None
         self._pins: dict[str, list[int]] = {}  # name -> [fd, count]
-        self._verified: set[tuple[str, int, int, int]] = set()  # (name, ino, size, mtime_ns)
+        self._verified: set[tuple[str, FileIdentity]] = set()  # (name, the file verified)
         self._releasers: list[weakref.WeakMethod | Callable[[], Releaser | None]] = []
         self._watcher: PressureWatcher | None = None
         self.counters: dict[str, float] = dict.fromkeys(COUNTER_NAMES, 0)
@@ -117,8 +128,9 @@ class ShardCache:
         if self._pid != os.getpid():
             self._forget_after_fork()
         if self._ledger is None:
-            ledger = Ledger(self.layout.index_dir)
-            reconcile(self.layout, ledger)
+            ledger = Ledger(self.layout.index_dir, self.root)
+            with disk_errors(self.root, "reconciling its ledger with its files", limit=self.limit):
+                reconcile(self.layout, ledger)
             self._ledger = ledger
         return self._ledger
 
@@ -208,6 +220,7 @@ class ShardCache:
                     self.counters["corrupt_refetched"] += 1
                 hit = False
                 continue
+            saved = hit and not self.pinned_here(name) and self._saved_download(name)
             with self._mutex:
                 held = self._pins.get(name)
                 if held is not None:  # another thread pinned it meanwhile: share its pin
@@ -215,9 +228,26 @@ class ShardCache:
                     held[1] += 1
                 else:
                     self._pins[name] = [fd, 1]
+                    if saved:  # this process opens a shard the cache held, no download for it
+                        self.counters["bytes_from_cache"] += info.bytes
                 self.counters["cache_hits" if hit else "cache_misses"] += 1
             self._touch(name, opened=True)
             return path
+
+    def _saved_download(self, name: str) -> bool:
+        """Whether opening the cached shard `name` now saves a download: not when it was
+        prefetched for this read (it arrived after `fresh_after` and no reader on the node has
+        opened it since), whose bytes count as downloaded already. A shard an earlier run
+        fetched, or one another reader opened before, is a saving. Advisory: True when the
+        ledger cannot tell."""
+        try:
+            entry = self.ledger.entry(name)
+            if entry is None or entry.created < self.fresh_after:
+                return True
+            return self.ledger.opened_at(name) >= entry.created
+        except Exception:  # noqa: BLE001 - a counter never fails a read
+            log.debug("cache %s: could not tell how %s arrived", self.root, name, exc_info=True)
+            return True
 
     def release(self, info: ShardInfo) -> None:
         """Undo one `open(info)`; the last release unpins the shard (it may be evicted)."""
@@ -251,7 +281,7 @@ class ShardCache:
     def _check(self, info: ShardInfo, name: str, fd: int) -> bool:
         """Verify the pinned file once per process; discard it and return False if it is bad."""
         st = os.fstat(fd)
-        key = (name, st.st_ino, st.st_size, st.st_mtime_ns)
+        key = (name, FileIdentity.of(st))
         with self._mutex:
             if key in self._verified:
                 return True
@@ -313,7 +343,9 @@ class ShardCache:
         prefetch: bool, cancel: threading.Event | None,
     ) -> str:
         path = self.path_of(name)
-        with exclusive(self.layout.lock_of(name), on_wait=None if prefetch else self._count_wait):
+        doing = f"downloading shard {info.path} ({format_size(info.bytes)}) into {self.layout.tmp_dir}"
+        with disk_errors(self.root, doing, path=self.layout.tmp_dir, limit=self.limit), \
+                exclusive(self.layout.lock_of(name), on_wait=None if prefetch else self._count_wait):
             if os.path.exists(path):
                 return "hit"
             remove_temps(self.layout, name)
@@ -326,24 +358,32 @@ class ShardCache:
                     with self.bookkeeping():
                         install(tmp, path, kept)
                         committed = True
+                        # its identity after the rename, which moved its change time (no one
+                        # else can replace or evict it while these locks are held)
+                        st = os.stat(path)
                         size = info.bytes + sum(n for _, _, n in kept)
                         self.ledger.commit(name, LedgerEntry(size, time.time()))
                         again = self.ledger.note_download(name, stats.bytes_received)
                     fsync_dir(os.path.dirname(path))
                     with self._mutex:
-                        self._verified.add((name, st.st_ino, st.st_size, st.st_mtime_ns))
+                        self._verified.add((name, FileIdentity.of(st)))
                         self.counters["bytes_downloaded"] += stats.bytes_received
                         self.counters["download_seconds"] += stats.seconds
                         self.counters["retries"] += stats.retries
                         self.counters["downloads"] += 1
                         self.counters["redownloads"] += int(again)
+                        self.counters["bytes_redownloaded"] += stats.bytes_received if again else 0
                         if prefetch:
                             self.counters["prefetched"] += 1
                     return "downloaded"
             finally:
                 if not committed:
-                    with self.bookkeeping():
-                        self.ledger.release_reservation(name)
+                    try:
+                        with self.bookkeeping():
+                            self.ledger.release_reservation(name)
+                    except CacheDiskError:  # the disk refused: the error in flight says so, and
+                        log.debug("cache %s: reservation of %s left", self.root, name, exc_info=True)
+                        # the next room-making pass drops the reservation (its lock is free)
 
     def _count_wait(self, seconds: float) -> None:
         with self._mutex:

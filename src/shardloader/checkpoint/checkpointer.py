@@ -31,6 +31,7 @@ from shardloader.checkpoint.commit import CommitSetup, PhaseHook
 from shardloader.checkpoint.fields import is_nonneg_int
 from shardloader.checkpoint.group import LocalGroup, make_group
 from shardloader.checkpoint.handle import CheckpointHandle
+from shardloader.checkpoint.job import open_job, refuse_if_in_use
 from shardloader.checkpoint.layout import CheckpointLayout, LayoutContext
 from shardloader.checkpoint.manifest import checkpoint_id
 from shardloader.checkpoint.single_layout import SingleFileLayout
@@ -38,6 +39,8 @@ from shardloader.checkpoint.staging import StagingPool
 from shardloader.checkpoint.storage import LocalStore, Store, open_store
 from shardloader.errors import CheckpointError
 from shardloader.io.retry import RetryPolicy
+from shardloader.runtime.distenv import end_with_launcher
+from shardloader.telemetry.job.recorder import close_attempt
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,10 @@ class Checkpointer:
     timeout: the bound on every wait: for the other ranks to make the same collective call
         (a call made on some ranks only is an error naming them), for collectives, and for
         the save in flight in `save`/`load`/`close`.
+    job: the name of the job this root belongs to (default: the root's own, or for a new
+        root its last path component). A root belongs to one job: another name is refused
+        before anything is written. Every Checkpointer records its attempt of the job under
+        `<root>/.job/` (`shardloader report --job ROOT`; docs/telemetry.md).
     """
 
     def __init__(
@@ -82,6 +89,7 @@ class Checkpointer:
         pin_memory: bool | None = None,
         distributed: bool | None = None,
         timeout: timedelta = timedelta(minutes=30),
+        job: str | None = None,
         _phase_hook: PhaseHook | None = None,
     ) -> None:
         if on_busy not in ON_BUSY:
@@ -103,11 +111,15 @@ class Checkpointer:
         )
         self._group = make_group(distributed, timeout, f"Checkpointer({self.root!r})")
         self.rank, self.world_size = self._group.rank, self._group.world_size
+        end_with_launcher()  # a rank orphaned by a killed torchrun agent never commits
+        refuse_if_in_use(self._store, self._group)  # before anything under the root is touched
         self._nonce = self._group.broadcast(secrets.token_hex(4))
         self._counter = 0
         self._ctx = LayoutContext(self._store, storage_options, self._group, self._pool)
         self._layouts: dict[str, CheckpointLayout] = {}
         self._staging = self._staging_root(staging_dir)
+        self._attempt = open_job(self._store, self._group, name=job,
+                                 staging_base=os.path.dirname(self._staging))
         # Retention (background) never deletes a checkpoint while latest()/load() is reading
         # the catalog in this process (they would see the newest vanish mid-verification).
         self._catalog_lock = threading.Lock()
@@ -123,12 +135,13 @@ class Checkpointer:
             pool=self._pool, staging=self._staging,
             move=isinstance(self._store, LocalStore) and self._store.same_device(self._staging),
             keep=keep, catalog_lock=self._catalog_lock, telemetry=telemetry, hook=_phase_hook,
-            stats=self._stats, stats_lock=self._stats_lock,
+            stats=self._stats, stats_lock=self._stats_lock, attempt=self._attempt,
         )
         # The last save's handle: the next call waits for it and raises its error (when its
         # staging failed, it never started and counts as done without error).
         self._inflight: CheckpointHandle | None = None
         self._closed = False
+        self._exit_error: BaseException | None = None  # set by __exit__ when its block raised
         self.loaded_extra: dict[str, Any] = {}
         self.loaded: dict[str, Any] | None = None
         self._startup_cleanup()
@@ -182,6 +195,13 @@ class Checkpointer:
         A value that cannot be stored as plain data is a CheckpointError naming its key.
         """
         t_call = time.perf_counter()
+        try:
+            return self._save(t_call, step, model, optimizer, loader, extra)
+        finally:
+            self._attempt.blocked("checkpoint", time.perf_counter() - t_call)
+
+    def _save(self, t_call: float, step: int, model: Any, optimizer: Any, loader: Any,
+              extra: dict[str, Any]) -> CheckpointHandle:
         self._check_open()
         if not is_nonneg_int(step):
             raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -205,7 +225,13 @@ class Checkpointer:
         ckpt_id = checkpoint_id(step, f"{self._nonce}{self._counter:06x}")
         handle = CheckpointHandle(step, ckpt_id, self._store.url_of(ckpt_id), started_at=t_call)
         self._inflight = handle
-        commit.commit(self._setup, handle, model, optimizer, loader, extra, busy_wait_s=busy_wait)
+        self._attempt.claim(loader)
+        self._attempt.on_save(step, ckpt_id, self._attempt.cursor_of(loader))
+        try:
+            commit.commit(self._setup, handle, model, optimizer, loader, extra, busy_wait_s=busy_wait)
+        except BaseException as exc:
+            self._attempt.on_save_failed(step, ckpt_id, exc)
+            raise
         return handle
 
     # ---------------------------------------------------------------------------- errors, wait
@@ -241,16 +267,26 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete (at most `timeout`); raise if it
         failed."""
-        self._wait_inflight()
-
-    def close(self) -> None:
-        """Wait (at most `timeout`) for the save in flight, free the pools. Raises a pending
-        error. Not collective: the other ranks learn that this one will call nothing more."""
-        if self._closed:
-            return
+        t0 = time.perf_counter()
         try:
             self._wait_inflight()
         finally:
+            self._attempt.blocked("checkpoint", time.perf_counter() - t0)
+
+    def close(self) -> None:
+        """Wait (at most `timeout`) for the save in flight, free the pools, end this attempt's
+        records. Raises a pending error. Not collective: the other ranks learn that this one
+        will call nothing more."""
+        if self._closed:
+            return
+        t0 = time.perf_counter()
+        try:
+            self._wait_inflight()
+        finally:
+            self._attempt.blocked("checkpoint", time.perf_counter() - t0)
+            error = self._exit_error
+            close_attempt(self._attempt, None if error is None else "failed",
+                          None if error is None else f"{type(error).__name__}: {error}")
             self._closed = True
             atexit.unregister(self._at_exit)
             if self._inflight is None or self._inflight.done():  # else the writer still uses them
@@ -266,6 +302,7 @@ class Checkpointer:
         if exc_type is None:
             self.close()
         else:
+            self._exit_error = exc  # the with-block raised: this attempt failed
             try:
                 self.close()
             except Exception as close_exc:
@@ -286,8 +323,12 @@ class Checkpointer:
         does not list a file its layout reads (checked also without `verify`), is skipped with a
         CheckpointWarning naming it. Not collective.
         """
-        with self._catalog_lock:
-            return restore.newest_usable(self._store, self._layout_named, verify=verify)
+        t0 = time.perf_counter()
+        try:
+            with self._catalog_lock:
+                return restore.newest_usable(self._store, self._layout_named, verify=verify)
+        finally:
+            self._attempt.blocked("restore", time.perf_counter() - t0)
 
     def stats(self) -> dict[str, Any]:
         """Counts (started, committed, failed, skipped, busy waits), the last save's phase
@@ -317,11 +358,18 @@ class Checkpointer:
         optimizer's state meanwhile).
         """
         self._check_open()
-        self._group.enter(f"load(step={step})")
-        self._wait_inflight()
-        with self._catalog_lock:
-            self.loaded, self.loaded_extra = restore.load(
-                self._store, self._group, self._layout_named, step, model, optimizer, loader, extra)
+        t0 = time.perf_counter()
+        try:
+            self._group.enter(f"load(step={step})")
+            self._wait_inflight()
+            with self._catalog_lock:
+                self.loaded, self.loaded_extra = restore.load(
+                    self._store, self._group, self._layout_named, step, model, optimizer, loader, extra)
+        finally:
+            self._attempt.blocked("restore", time.perf_counter() - t0)
+        self._attempt.claim(loader)
+        self._attempt.on_restore(self.loaded["step"], self.loaded["id"], time.perf_counter() - t0,
+                                 self._attempt.cursor_of(loader))
         return self.loaded["step"]
 
     def __repr__(self) -> str:

@@ -70,6 +70,7 @@ class CommitSetup:
     hook: PhaseHook | None
     stats: dict[str, Any]  # the checkpointer's counters, under stats_lock
     stats_lock: threading.Lock
+    attempt: Any = None  # the job's AttemptRecorder: told of each commit and failure
 
     def count(self, **amounts: float) -> None:
         with self.stats_lock:
@@ -98,6 +99,7 @@ def commit(setup: CommitSetup, handle: CheckpointHandle, model: Any, optimizer: 
 
 def _commit_in_background(setup: CommitSetup, handle: CheckpointHandle, staged: Staged) -> None:
     """Steps 3-6 (writer thread), then the save's counters and telemetry."""
+    files: dict[str, FileEntry] = {}
     try:
         files, made, error = _write_and_upload(setup, handle, staged)
         handle.wait_staged()  # save() returned on this rank: its stage timings are final
@@ -110,10 +112,14 @@ def _commit_in_background(setup: CommitSetup, handle: CheckpointHandle, staged: 
             raise CheckpointError(f"another rank failed: {outcome}")
     except BaseException as exc:
         setup.count(failed=1)
+        if setup.attempt is not None:
+            setup.attempt.on_save_failed(handle.step, handle.id, exc)
         raise CheckpointError(
             f"checkpoint of step {handle.step} ({handle.url}) failed during {handle.phase}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
+    if setup.attempt is not None:  # this rank's files reached the destination
+        setup.attempt.on_committed(handle.step, handle.id, sum(e.bytes for e in files.values()), len(files))
     if setup.group.rank == 0:  # retention and telemetry are rank 0's job
         _apply_retention(setup, handle)
     handle.mark_committed()

@@ -71,6 +71,15 @@ class Store:
         """Remove a checkpoint: its manifest first, then everything else."""
         raise NotImplementedError
 
+    # -- small files beside the checkpoints (the job's records, `.job/`) ----------------------
+    def read_small(self, rel: str) -> bytes | None:
+        """The bytes of the small file `rel`, or None when it does not exist."""
+        raise NotImplementedError
+
+    def write_small(self, rel: str, data: bytes) -> None:
+        """Write the small file `rel` whole (replacing it), making its directory."""
+        raise NotImplementedError
+
     # -- reading -----------------------------------------------------------------------------
     def open(self, ckpt_id: str, name: str):
         """A binary file object of `<ckpt_id>/<name>`, read front to back (`read`, `readinto`)."""
@@ -198,6 +207,23 @@ class LocalStore(Store):
         shutil.rmtree(path, ignore_errors=False)
         fsync_dir(self.root)
 
+    def read_small(self, rel: str) -> bytes | None:
+        try:
+            with open(self._path(rel), "rb") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def write_small(self, rel: str, data: bytes) -> None:
+        final = self._path(rel)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = f"{final}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+
     def open(self, ckpt_id: str, name: str):
         return open(self._path(ckpt_id, name), "rb", buffering=0)
 
@@ -289,6 +315,16 @@ class FsspecStore(Store):
             except FileNotFoundError:
                 pass
         self.fs.invalidate_cache(self.root)
+
+    def read_small(self, rel: str) -> bytes | None:
+        try:
+            return objects.read_object(self.fs, *self._at(rel), policy=self.retry)
+        except FileNotFoundError:
+            return None
+
+    def write_small(self, rel: str, data: bytes) -> None:
+        with _refusals_unwrapped():
+            objects.put_bytes(self.fs, data, *self._at(rel), policy=self.retry)
 
     def open(self, ckpt_id: str, name: str) -> objects.RetryingReader:
         """The file read front to back; opening and each read are retried (a failed read is

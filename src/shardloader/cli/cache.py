@@ -1,9 +1,10 @@
 """`shardloader cache verify|info|prune DIR`: look after a node's shard cache directory.
 
-`verify` re-hashes every cached shard against the checksum its name records and exits 1 listing
-each bad file (`--remove` deletes them, under their download lock, so the next reader fetches
-them again). `info` prints what the cache holds. `prune` evicts least recently used shards that
-no process is reading until at most `--to` bytes remain (`--to 0` empties it).
+`verify` re-hashes every cached shard and range sidecar against the checksum its name records
+and exits 1 listing each bad file (`--remove` deletes them, under their download lock, so the
+next reader fetches them again). `info` prints what the cache holds. `prune` evicts least
+recently used shards and range sidecars that no process is reading until at most `--to` bytes
+remain (`--to 0` empties it).
 All are safe while training processes use the cache.
 """
 
@@ -81,7 +82,8 @@ def run_info(args: argparse.Namespace) -> int:
     cache = _open(args.dir)
     usage = cache_usage(cache)
     cache.close()
-    print(f"{args.dir}: {usage['files']} shards, {format_size(usage['data_bytes'])} "
+    sidecars = f" and {usage['sidecars']} range sidecars" if usage["sidecars"] else ""
+    print(f"{args.dir}: {usage['files']} shards{sidecars}, {format_size(usage['data_bytes'])} "
           f"({usage['data_bytes']} bytes), {format_size(usage['tmp_bytes'])} in downloads in progress")
     return 0
 
@@ -93,6 +95,8 @@ def run_prune(args: argparse.Namespace) -> int:
     cache = _open(args.dir)
     result = prune(cache, args.to)
     cache.close()
-    print(f"evicted {result['evicted']} shards ({format_size(result['bytes_freed'])}); "
+    sidecars = result["evicted_sidecars"]
+    also = f" and {sidecars} range sidecars" if sidecars else ""
+    print(f"evicted {result['evicted'] - sidecars} shards{also} ({format_size(result['bytes_freed'])}); "
           f"{format_size(result['remaining'])} remain")
     return 0

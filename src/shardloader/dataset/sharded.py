@@ -55,8 +55,8 @@ class Dataset:
     Local paths are read in place. Remote URLs (any fsspec protocol) are read through the
     node's shard cache in `cache_dir`, bounded by `cache_limit` (bytes or a string like
     "200GB"). `verify` checks each shard's size and checksum the first time a process opens it,
-    and for local shards again whenever the file's identity (inode, size, mtime) changed; with
-    `verify=False` a local shard's size is still checked against the index.
+    and for local shards again whenever the file's identity (inode, size, mtime, change time)
+    changed; with `verify=False` a local shard's size is still checked against the index.
     `max_open_shards` bounds how many shard readers a process keeps open.
     `decode` applies to tar shards: True decodes the conventional WebDataset extensions as
     webdataset does (images stay bytes), False gives every member's raw bytes, and a collection

@@ -20,6 +20,12 @@ Format (version 1)::
     }
 
 Format-specific keys are kept in `ShardInfo.extra` (e.g. a tar shard's member-offset sidecar).
+
+Counts are bounded: a shard's ``samples``, and their sum over the shards, at most `MAX_SAMPLES`
+(2**48, about 2.8e14: 50,000 times the largest public datasets); a larger count is damage, and
+would overflow the int64 arithmetic on sample positions. A shard's ``bytes``: at most
+`MAX_SHARD_BYTES` (2**62). A shard whose count is wrong but within the bound is found when it
+is opened (its reader compares the count with the file's).
 """
 
 from __future__ import annotations
@@ -44,6 +50,11 @@ INDEX_NAME = "index.json"
 INDEX_FORMAT = "shardloader-index"
 INDEX_VERSION = 1
 _REQUIRED_SHARD_KEYS = ("path", "format", "samples", "bytes", "checksum")
+#: The most samples a shard, or a whole dataset, may have (see the module doc).
+MAX_SAMPLES = 2**48
+#: The most bytes a shard file may have.
+MAX_SHARD_BYTES = 2**62
+_DAMAGED = "the index is damaged; rebuild it (`shardloader index` indexes tar and Parquet files in place)"
 
 
 @dataclass(frozen=True)
@@ -82,10 +93,15 @@ class ShardInfo:
         fmt = entry["format"]
         if not isinstance(fmt, str) or fmt not in FORMATS:
             raise DatasetIndexError(f"{where}: unknown shard format {fmt!r} (known: {', '.join(FORMATS)})")
-        for key in ("samples", "bytes"):
+        for key, bound, name in (("samples", MAX_SAMPLES, "MAX_SAMPLES"),
+                                 ("bytes", MAX_SHARD_BYTES, "MAX_SHARD_BYTES")):
             value = entry[key]
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise DatasetIndexError(f"{where}: field {key!r} must be a non-negative integer, got {value!r}")
+            if value > bound:
+                raise DatasetIndexError(
+                    f"{where}: field {key!r} is {value}, more than the {bound} any shard may hold "
+                    f"(shardloader.format.index.{name}): {_DAMAGED}")
         if not isinstance(entry["checksum"], str):
             raise DatasetIndexError(f"{where}: field 'checksum' must be a string")
         try:
@@ -140,6 +156,12 @@ class Index:
                     f"{source}: shards[{i}] repeats path {shard.path!r} (also shards[{seen[shard.path]}])"
                 )
             seen[shard.path] = i
+        total = sum(shard.samples for shard in shards)
+        if total > MAX_SAMPLES:
+            raise DatasetIndexError(
+                f"{source}: the shards' 'samples' fields add up to {total}, more than the "
+                f"{MAX_SAMPLES} a dataset may hold (shardloader.format.index.MAX_SAMPLES): "
+                f"{_DAMAGED}")
         return cls(schema=dict(schema), shards=shards, version=version)
 
     @classmethod

@@ -7,6 +7,7 @@ that importing them loads no pyarrow (see `shardloader.format.ipc` for what that
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -70,6 +71,36 @@ def gather_rows(
     return out
 
 
+#: The most bytes one `pread` returns on Linux (INT_MAX rounded down to a page): a value larger
+#: than this is read in several calls.
+_PREAD_MAX = 0x7FFFF000
+
+
+def pread_full(fd: int, size: int, offset: int) -> bytes:
+    """`size` bytes of `fd` at `offset` (fewer only at the end of the file): `os.pread`, or for
+    a value over the 2 GiB one call returns at most, a buffered read that repeats it into one
+    `bytes` (no second copy of a multi-GiB value)."""
+    if size <= _PREAD_MAX:
+        return os.pread(fd, size, offset)
+    return io.BufferedReader(_PreadFile(fd, offset)).read(size)
+
+
+class _PreadFile(io.RawIOBase):
+    """`fd` read from `offset` on with pread (its file position, shared with other users of
+    `fd`, is left alone)."""
+
+    def __init__(self, fd: int, offset: int) -> None:
+        self.fd, self.position = fd, offset
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = os.preadv(self.fd, [buffer], self.position)
+        self.position += n
+        return n
+
+
 def pread_values(fd: int, base: int, offsets: np.ndarray, rows: np.ndarray, text: bool,
                  where: str) -> list[Any]:
     """Rows `rows` of a binary (or, with `text`, string) column read from the open file `fd`
@@ -77,7 +108,7 @@ def pread_values(fd: int, base: int, offsets: np.ndarray, rows: np.ndarray, text
     starts at `base` in the file. A short read means the file shrank under its reader: a
     ShardChangedError naming `where` and the bytes."""
     starts, ends = offsets[rows].tolist(), offsets[rows + 1].tolist()
-    values = [os.pread(fd, b - a, base + a) for a, b in zip(starts, ends)]
+    values = [pread_full(fd, b - a, base + a) for a, b in zip(starts, ends)]
     for value, a, b in zip(values, starts, ends):
         if len(value) != b - a:
             raise ShardChangedError(

@@ -18,7 +18,10 @@ Type names in an index schema (field -> name):
 The writer infers a schema from the first sample: ``bytes``/``bytearray``/``memoryview`` ->
 binary, ``int`` -> int64, ``float`` -> float64, ``str`` -> string, ``bool`` -> bool, numpy
 scalars -> their dtype, numpy arrays (numeric, at least 1-D) -> ``array<dtype>[shape]``.
-Large Arrow variants (large_binary, large_string) read as binary and string.
+Large Arrow variants (large_binary, large_string) read as binary and string. The writer stores
+a binary or string field as its large variant in a shard that holds a value too large for the
+plain one (more than `ARROW_VALUE_LIMIT` bytes: Arrow's binary and string arrays have 32-bit
+offsets), so a sample over 2 GiB is written like any other.
 """
 
 from __future__ import annotations
@@ -49,6 +52,10 @@ _SCALARS: dict[str, pa.DataType] = {
     "float32": pa.float32(),
     "float64": pa.float64(),
 }
+#: The most bytes the values of one Arrow binary or string array can hold (32-bit offsets, as
+#: pyarrow's builders count: int32 max - 1); a value over it needs large_binary / large_string.
+ARROW_VALUE_LIMIT = 2**31 - 2
+_LARGE_TYPES = {"binary": pa.large_binary(), "string": pa.large_string()}
 _INT_NAMES = frozenset(n for n in _SCALARS if n.startswith(("int", "uint")))
 _FLOAT_NAMES = frozenset(n for n in _SCALARS if n.startswith("float"))
 _ARRAY_RE = re.compile(r"^array<([a-z0-9]+)>\[([0-9]+(?:,[0-9]+)*)\]$")
@@ -74,8 +81,11 @@ def parse_array_type(name: str) -> tuple[np.dtype, tuple[int, ...]] | None:
     return dtype, tuple(int(d) for d in match.group(2).split(","))
 
 
-def arrow_type(name: str) -> pa.DataType:
-    """The Arrow type the writer stores a field of type `name` as."""
+def arrow_type(name: str, large: bool = False) -> pa.DataType:
+    """The Arrow type the writer stores a field of type `name` as; with `large`, a binary or
+    string field as large_binary / large_string (64-bit offsets)."""
+    if large and name in _LARGE_TYPES:
+        return _LARGE_TYPES[name]
     if name in _SCALARS:
         return _SCALARS[name]
     parsed = parse_array_type(name)
@@ -227,9 +237,19 @@ def value_nbytes(value: Any) -> int:
     return 8
 
 
-def build_array(values: list[Any], name: str) -> pa.Array:
-    """An Arrow array of type `name` from Python values already checked with `value_fits`."""
-    dtype = arrow_type(name)
+def needs_large(value: Any, name: str) -> bool:
+    """Whether a field of type `name` holding `value` must be stored as large_binary /
+    large_string: more than `ARROW_VALUE_LIMIT` bytes (a str: possibly, at 4 UTF-8 bytes a
+    character, so that it is never encoded here to find out)."""
+    if name == "binary":
+        return value_nbytes(value) > ARROW_VALUE_LIMIT
+    return name == "string" and isinstance(value, str) and 4 * len(value) > ARROW_VALUE_LIMIT
+
+
+def build_array(values: list[Any], name: str, large: bool = False) -> pa.Array:
+    """An Arrow array of type `arrow_type(name, large)` from Python values already checked with
+    `value_fits`."""
+    dtype = arrow_type(name, large)
     if isinstance(dtype, pa.FixedShapeTensorType):
         np_dtype, shape = parse_array_type(name)  # type: ignore[misc]
         stacked = np.ascontiguousarray(np.stack(values).astype(np_dtype, copy=False))

@@ -24,6 +24,11 @@ Sidecar layout (little-endian)::
     b"SLTIDX1\\n" | uint64 header length | header JSON (utf-8):
         {"fields": [...], "keys": [...], "samples": n, "tar_bytes": size}
     | int64[n, len(fields), 2]  (data offset, size) per sample and field
+
+Every (offset, size) of a sidecar must lie inside the tar (``0 <= offset``, ``0 <= size``,
+``offset + size <= tar_bytes``): one that does not is a ShardError naming the sidecar, the sample
+and the field, and a reader then scans the tar instead, with a warning (as for a sidecar that
+does not match its index entry).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import numpy as np
 from shardloader.errors import SchemaError, ShardError, ShardloaderError
 from shardloader.format.protocol import FormatCode, ShardEntry
 from shardloader.format.ranges import RangeTable, RangeTableBuilder
-from shardloader.format.rows import check_schema
+from shardloader.format.rows import check_schema, pread_full
 from shardloader.io.checksum import checksum_bytes, parse_checksum
 from shardloader.io.identity import FileGuard, FileIdentity
 from shardloader.io.jsondata import parse_json
@@ -110,7 +115,25 @@ class TarOffsets:
         if samples != len(keys) or len(body) != samples * len(fields) * 16:
             raise ShardError(f"{where}: sidecar is truncated or inconsistent")
         spans = np.frombuffer(body, dtype="<i8").reshape(samples, len(fields), 2).astype(np.int64)
+        _check_spans(spans, keys, fields, tar_bytes, where=where)
         return cls(keys, fields, spans, tar_bytes)
+
+
+def _check_spans(spans: np.ndarray, keys: list[str], fields: tuple[str, ...], tar_bytes: int, *,
+                 where: str) -> None:
+    """A ShardError naming `where` and the first member whose (offset, size) leaves the tar."""
+    if tar_bytes < 0:
+        raise ShardError(f"{where}: sidecar header gives the tar a negative size ({tar_bytes})")
+    offsets, sizes = spans[..., 0], spans[..., 1]
+    # offset > tar_bytes - size, not offset + size > tar_bytes: no int64 overflow
+    outside = (offsets < 0) | (sizes < 0) | (offsets > tar_bytes - sizes)
+    if outside.any():
+        sample, field = (int(i) for i in np.argwhere(outside)[0])
+        offset, size = spans[sample, field].tolist()
+        raise ShardError(
+            f"{where}: sample {keys[sample]!r} field {fields[field]!r}: the sidecar puts the "
+            f"member at offset {offset} ({size} bytes), outside the tar's {tar_bytes} bytes; "
+            "the offsets sidecar is damaged")
 
 
 def _member_kind(member: tarfile.TarInfo) -> str:
@@ -306,7 +329,7 @@ class TarShardReader:
             raise IndexError(f"{self.path}: row {row} out of range for a shard of {n} rows")
         record: dict[str, Any] = {}
         for field, (offset, size) in zip(self._table.fields, self._table.spans[row].tolist()):
-            data = os.pread(self._fd, size, offset)
+            data = pread_full(self._fd, size, offset)
             if len(data) != size:
                 raise ShardError(
                     f"{self.path}: member {self._table.keys[row]}.{field} is truncated "

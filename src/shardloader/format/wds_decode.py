@@ -6,7 +6,9 @@ extensions into Python values, and `Dataset` does the same for tar shards (`deco
 - ``cls cls2 class count index inx id`` -> ``int`` (decimal text, surrounding whitespace ignored)
 - ``txt text transcript`` -> ``str`` (UTF-8)
 - ``json jsn`` -> the parsed JSON value (``io.jsondata.parse_json``: data only, nesting bounded)
-- ``npy`` -> ``numpy.ndarray`` (``numpy.load`` with ``allow_pickle=False``)
+- ``npy`` -> ``numpy.ndarray`` (``numpy.load`` with ``allow_pickle=False``), once its header's
+  shape and dtype are checked against the bytes that follow it: a member that declares more
+  (a few bytes claiming 8 TiB) is refused before anything is allocated
 
 The extension is the part of the field name after its last dot (``seg.txt`` is text), as in
 webdataset. Everything else stays bytes: images (jpg, png, ...) go to the transforms
@@ -21,6 +23,7 @@ parse as its extension says is a `FieldDecodeError` naming the shard, sample key
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
@@ -49,7 +52,22 @@ def _json(data: bytes) -> Any:
 
 
 def _npy(data: bytes) -> np.ndarray:
-    return np.load(io.BytesIO(data), allow_pickle=False)
+    stream = io.BytesIO(data)
+    fmt = np.lib.format
+    version = fmt.read_magic(stream)  # a ValueError when it is not .npy
+    # Version 3.0 is laid out as 2.0 (its header text is UTF-8, read here as Latin-1: only
+    # structured field names could differ, and they do not change the size).
+    read_header = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+    shape, _, dtype = read_header(stream)
+    if any(d < 0 for d in shape):
+        raise ValueError(f"its header declares the negative shape {shape}")
+    if not dtype.hasobject:  # object arrays: np.load refuses them (allow_pickle=False)
+        need, have = math.prod(shape) * dtype.itemsize, len(data) - stream.tell()
+        if need > have:
+            raise ValueError(f"its header declares shape {shape} of {dtype}, {need:,} bytes, "
+                             f"but only {have:,} bytes follow the header")
+    stream.seek(0)
+    return np.load(stream, allow_pickle=False)
 
 
 _DECODERS: dict[str, tuple[str, Callable[[bytes], Any]]] = {}

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from shardloader.errors import ShardloaderError
 from shardloader.format.index import Index, ShardInfo
 from shardloader.format.ranges import RANGES_KEY
-from shardloader.format.registry import open_shard
+from shardloader.format.registry import open_shard, shard_format
 from shardloader.format.tar import OFFSETS_KEY
 from shardloader.io.checksum import checksum_file, format_checksum, new_hasher, parse_checksum
 from shardloader.io.clients import filesystem
@@ -78,7 +78,8 @@ def _check_links(root: str | None, relative: str, what: str) -> str | None:
 def _check_sidecar(fs: Any, root: str, shard: ShardInfo, key: str = OFFSETS_KEY,
                    link_root: str | None = None) -> str | None:
     """The problem with the sidecar the index entry describes under `key` (tar offsets, range
-    sidecar), or None: its links (under `link_root`), size and checksum against the index."""
+    sidecar), or None: its links (under `link_root`), size and checksum against the index, and
+    a format's companion sidecar (a tar's offsets) parsed: every member it places in the tar."""
     entry = shard.extra.get(key)
     if entry is None:
         return None
@@ -90,8 +91,17 @@ def _check_sidecar(fs: Any, root: str, shard: ShardInfo, key: str = OFFSETS_KEY,
         parse_checksum(str(entry["checksum"]))
     except (ShardloaderError, ValueError) as e:
         return str(e)
-    return (_check_links(link_root, relative, f"{where}: {key} sidecar")
-            or _check_file(fs, join_url(root, relative), entry["bytes"], entry["checksum"]))
+    url = join_url(root, relative)
+    problem = (_check_links(link_root, relative, f"{where}: {key} sidecar")
+               or _check_file(fs, url, entry["bytes"], entry["checksum"]))
+    companion = shard_format(shard.format).companion
+    if problem is None and companion is not None and companion.key == key:
+        try:  # verified bytes, but written wrong (or forged with a matching checksum)
+            data = b"".join(read_chunks(fs, url, url, entry["bytes"]))
+            shard_format(shard.format).decode_companion(data, where=url)
+        except ShardloaderError as e:
+            return str(e)
+    return problem
 
 
 def _check_structure(root: str, shard: ShardInfo, index: Index) -> str | None:

@@ -11,7 +11,12 @@ Every later sample must have the same fields with values that fit their types, e
 named ``__*__`` are metadata and are not stored, except ``__key__`` (a string field in Arrow
 shards; the member name prefix in tars, defaulting to the sample number zero-padded to 9 digits).
 
-A sample larger than `shard_bytes` is not an error: it goes alone into its own shard.
+A sample larger than `shard_bytes` is not an error: it goes alone into its own shard. A binary or
+string value over 2 GiB (`ARROW_VALUE_LIMIT`) is stored in an Arrow shard whose column for that
+field is large_binary / large_string (read back as any binary or string field): a shard's
+column types are chosen from its first sample, and a later sample that needs a large column
+the shard does not have starts a new shard. A value no Arrow column can hold (over 2 GiB inside
+a struct field) is a SchemaError naming the sample and the field.
 Empty input is an error (`ShardloaderError`): an index of zero samples is useless to a loader,
 and writing one would hide an upstream bug.
 
@@ -38,9 +43,11 @@ from shardloader.format.index import INDEX_NAME, Index, ShardInfo
 from shardloader.format.ranges import RANGES_KEY, ranges_entry, ranges_path
 from shardloader.format.registry import table_of_file
 from shardloader.format.schema import (
+    ARROW_VALUE_LIMIT,
     arrow_type,
     build_array,
     infer_type,
+    needs_large,
     value_fits,
     value_nbytes,
 )
@@ -136,24 +143,41 @@ class SampleSchema:
         return values
 
 
+def large_fields(values: Mapping[str, Any], schema: SampleSchema) -> frozenset[str]:
+    """The fields of a sample's `values` that need a large Arrow column (over 2 GiB)."""
+    return frozenset(f for f, v in values.items() if needs_large(v, schema.types[f]))
+
+
 class _ArrowShard:
-    """One Arrow IPC file being written: buffers columns, writes record batches."""
+    """One Arrow IPC file being written: buffers columns, writes record batches. The fields in
+    `large` are stored as large_binary / large_string (see the module doc)."""
 
     extension = "arrow"
 
-    def __init__(self, path: str, schema: SampleSchema) -> None:
+    def __init__(self, path: str, schema: SampleSchema, large: frozenset[str] = frozenset()) -> None:
         self.types = schema.types
-        self.arrow_schema = pa.schema([(f, arrow_type(t)) for f, t in self.types.items()])
+        self.large = large
+        self.arrow_schema = pa.schema([(f, arrow_type(t, f in large)) for f, t in self.types.items()])
         self._sink = pa.OSFile(path, "wb")
         self._writer = pa.ipc.new_file(self._sink, self.arrow_schema)
         self._columns: dict[str, list[Any]] = {f: [] for f in self.types}
+        self._numbers: list[int] = []  # the pending rows' sample numbers, for errors
         self._pending_rows = 0
         self._pending_bytes = 0
         self.samples = 0
 
+    def holds(self, large: frozenset[str]) -> bool:
+        """Whether a sample whose `large_fields` are `large` fits this shard's column types."""
+        return large <= self.large
+
     def add(self, values: dict[str, Any], nbytes: int, number: int) -> None:
+        # A record batch's column holds at most ARROW_VALUE_LIMIT bytes: a sample that would
+        # take the pending rows past it starts a batch of its own.
+        if self._pending_rows and self._pending_bytes + nbytes > ARROW_VALUE_LIMIT:
+            self._flush()
         for field, value in values.items():
             self._columns[field].append(value)
+        self._numbers.append(number)
         self._pending_rows += 1
         self._pending_bytes += nbytes
         self.samples += 1
@@ -163,10 +187,27 @@ class _ArrowShard:
     def _flush(self) -> None:
         if not self._pending_rows:
             return
-        arrays = [build_array(self._columns[f], t) for f, t in self.types.items()]
+        arrays = [self._array(f, t) for f, t in self.types.items()]
         self._writer.write_batch(pa.record_batch(arrays, schema=self.arrow_schema))
         self._columns = {f: [] for f in self.types}
+        self._numbers = []
         self._pending_rows = self._pending_bytes = 0
+
+    def _array(self, field: str, name: str) -> pa.Array:
+        """The pending rows' column `field`, or a SchemaError naming the sample and the field
+        whose value no Arrow array of its type holds (over 2 GiB inside a struct)."""
+        values = self._columns[field]
+        try:
+            return build_array(values, name, field in self.large)
+        except pa.ArrowCapacityError as e:
+            sizes = [value_nbytes(v) for v in values]
+            largest = max(range(len(values)), key=sizes.__getitem__)
+            raise SchemaError(
+                f"sample {self._numbers[largest]}: field {field!r} ({name}) holds "
+                f"{sizes[largest]:,} bytes, more than an Arrow column of that type can hold "
+                f"({ARROW_VALUE_LIMIT:,} bytes: {e}); store the value in a binary or string "
+                "field of its own (those become large_binary / large_string), or split it"
+            ) from None
 
     def close(self) -> None:
         self._flush()
@@ -185,9 +226,12 @@ class _TarShard:
 
     extension = "tar"
 
-    def __init__(self, path: str, schema: SampleSchema) -> None:
+    def __init__(self, path: str, schema: SampleSchema, large: frozenset[str] = frozenset()) -> None:
         self._writer = TarShardWriter(path)
         self.samples = 0
+
+    def holds(self, large: frozenset[str]) -> bool:
+        return True  # a tar member has no size limit
 
     def add(self, values: dict[str, Any], nbytes: int, number: int) -> None:
         if KEY_FIELD not in values:
@@ -278,15 +322,17 @@ def write_shards(
                 _check_fields_for_format(spec, format)
             values = spec.check(sample, number)
             nbytes = sum(value_nbytes(v) for v in values.values())
+            large = large_fields(values, spec) if format == "arrow" else frozenset()
             if current is not None and (
                 (shard_samples is not None and current.samples >= shard_samples)
                 or current_bytes + nbytes > shard_bytes
+                or not current.holds(large)
             ):
                 infos.append(_finish(target, current, current_temp, len(infos), written))
                 current = None
             if current is None:
                 current_temp = target.temp_path(_shard_name(len(infos), shard_cls.extension))
-                current = shard_cls(current_temp, spec)
+                current = shard_cls(current_temp, spec, large)
                 current_bytes = 0
             current.add(values, nbytes, number)
             current_bytes += nbytes

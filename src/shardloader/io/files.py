@@ -6,6 +6,7 @@ file appear atomically (temp file, fsync, rename) ends with `fsync_dir` on its d
 
 from __future__ import annotations
 
+import errno
 import os
 
 
@@ -16,3 +17,15 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_at(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """Write all of `data` at `offset` of `fd`. `os.pwrite` may write only part of it (a
+    filesystem that fills up mid-write does): the rest is written again, and a full disk then
+    raises its OSError (ENOSPC) instead of leaving a hole that looks like a corrupt download."""
+    view = memoryview(data).cast("B")
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view, offset = view[written:], offset + written

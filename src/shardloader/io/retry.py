@@ -10,15 +10,28 @@ quota exceeded, read-only), which no wait fixes.
 The backoff is exponential with jitter and bounded twice, in attempts and in total seconds
 (`RetryPolicy`). `shardloader.io.transfer` applies it to byte ranges (keeping what already
 arrived); `retrying` applies it to one call made as a whole (a listing, a size, a put).
+
+Stalls. A server that stops answering costs a read timeout per attempt, and one read of a
+shard can go through several retry loops in turn (its range sidecar, then the whole shard; the
+prefetcher's download, then the reader's own): each with its full budget, that made a stalled
+read give up only after 134-194 s with a 5 s read timeout. So `STALLS` keeps, per endpoint
+(scheme and host, or bucket) and process, since when its requests have been timing out with no
+answer in between, and every loop gives up, naming its URL, once that stall would outlast
+`RetryPolicy.stall_limit(read timeout)` = attempts x read timeout + the backoff between them
+(at most `deadline`): the bound for any read of a stalled server, whichever loops it goes
+through. Any answer (data, or an HTTP status) ends the stall; a worker forked during one
+inherits its clock.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import random
 import threading
 import time
-from collections.abc import Callable
+import urllib.parse
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -69,8 +82,18 @@ class RetryPolicy:
             raise ValueError("RetryPolicy: delays must be >= 0 and the deadline > 0")
 
     def backoff(self, retry: int, rng: random.Random) -> float:
-        ceiling = min(self.max_delay, self.base_delay * (2.0 ** min(retry, 60)))
+        ceiling = self._ceiling(retry)
         return rng.uniform(ceiling / 2, ceiling)
+
+    def _ceiling(self, retry: int) -> float:
+        return min(self.max_delay, self.base_delay * (2.0 ** min(retry, 60)))
+
+    def stall_limit(self, read_timeout: float) -> float:
+        """Seconds after which every read of a server that stopped answering gives up:
+        `attempts` requests that each wait `read_timeout`, plus the longest backoff between
+        them, at most `deadline` (defaults, 5 s read timeout: 50 + 42.6 = 92.6 s)."""
+        backoff = sum(self._ceiling(k) for k in range(self.attempts - 1))
+        return min(self.deadline, self.attempts * read_timeout + backoff)
 
 
 def http_status(exc: BaseException) -> int | None:
@@ -135,6 +158,94 @@ def _is_network_library_error(exc: BaseException) -> bool:
     return isinstance(exc, asyncio.TimeoutError) or type(exc).__name__ == "FSTimeoutError"
 
 
+def is_timeout(exc: BaseException) -> bool:
+    """True when `exc` (or one in its cause chain) says a request got no answer in time."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, TimeoutError) or any(
+                cls.__name__ in _TIMEOUT_NAMES for cls in type(current).__mro__):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+# Timeouts of asyncio (before 3.11), aiohttp, fsspec, botocore and urllib3 that are not
+# TimeoutError on every Python: matched by the names of their classes and bases.
+_TIMEOUT_NAMES = frozenset({"TimeoutError", "ServerTimeoutError", "FSTimeoutError", "ReadTimeoutError",
+                            "ConnectTimeoutError", "ReadTimeout", "ConnectTimeout"})
+
+
+def endpoint_of(url: str) -> str | None:
+    """What a stall is kept per: scheme://host[:port] (for s3://, the bucket); None locally."""
+    parts = urllib.parse.urlsplit(url)
+    if not parts.scheme or parts.scheme == "file" or not parts.netloc:
+        return None
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+class StallClock:
+    """Per endpoint of this process: when its current run of timed-out requests began, when
+    the last one ended, and the longest one took (about the read timeout)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runs: dict[str, tuple[float, float, float, int]] = {}  # since, last, took, count
+
+    def check(self, urls: Iterable[str], policy: RetryPolicy, delay: float = 0.0) -> None:
+        """Raise FetchError naming the URL if its endpoint has been stalled for so long that one
+        more request (after a pause of `delay`) would end past `policy.stall_limit`; a stall
+        that nobody has retried for longer than a request plus the longest backoff is over (a
+        later read starts anew)."""
+        now = time.monotonic()
+        for url in urls:
+            endpoint = endpoint_of(url)
+            with self._lock:
+                run = self._runs.get(endpoint) if endpoint else None
+                if run is None:
+                    continue
+                since, last, took, count = run
+                if now - last > took + policy.max_delay:
+                    del self._runs[endpoint]  # type: ignore[arg-type]
+                    continue
+            limit = policy.stall_limit(took)
+            if now - since + delay + took > limit:
+                raise FetchError(
+                    f"{url}: giving up: {endpoint} has not answered for {now - since:.1f} s "
+                    f"({count} requests in a row timed out, each after {took:.1f} s), and one more "
+                    f"would pass the {limit:.1f} s bound for a stalled server ({policy.attempts} "
+                    "attempts x the read timeout + backoff: the RetryPolicy, and the read "
+                    "timeout of the storage options)")
+
+    def record(self, url: str, started: float, *, answered: bool, timed_out: bool) -> None:
+        """After a round of requests to `url`'s endpoint begun at `started`: any answer ends a
+        stall; a timeout with no answer starts or extends one."""
+        endpoint = endpoint_of(url)
+        if endpoint is None or not (answered or timed_out):
+            return
+        now = time.monotonic()
+        with self._lock:
+            if answered:
+                self._runs.pop(endpoint, None)
+                return
+            since, _, took, count = self._runs.get(endpoint, (started, now, 0.0, 0))
+            self._runs[endpoint] = (min(since, started), now, max(took, now - started), count + 1)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()  # another thread may have held it at the fork
+
+
+#: This process's stall clocks (see the module docstring).
+STALLS = StallClock()
+os.register_at_fork(after_in_child=STALLS._after_fork)
+
+
+def answered(error: BaseException | None) -> bool:
+    """Whether a request that ended in `error` (None: success) got an answer from the server."""
+    return error is None or http_status(error) is not None
+
+
 def describe(exc: BaseException) -> str:
     status = http_status(exc)
     text = f"{type(exc).__name__}: {exc}".strip()
@@ -178,11 +289,17 @@ def retrying(
     rng = rng or random.Random()
     start = time.monotonic()
     for attempt in range(policy.attempts):
+        STALLS.check([url], policy)
+        started = time.monotonic()
         try:
-            return call()
+            value = call()
+            STALLS.record(url, started, answered=True, timed_out=False)
+            return value
         except passthrough:
+            STALLS.record(url, started, answered=True, timed_out=False)  # e.g. a 404: an answer
             raise
         except Exception as e:
+            STALLS.record(url, started, answered=answered(e), timed_out=is_timeout(e))
             if not is_transient(e):
                 raise FetchError(f"{url}: {permanent_reason(e)}") from e
             delay = policy.backoff(attempt, rng)
@@ -190,5 +307,6 @@ def retrying(
                 raise FetchError(
                     f"{url}: giving up after {attempt + 1} failed attempts; last error: {describe(e)}"
                 ) from e
+            STALLS.check([url], policy, delay)
             pause(delay, url, None)
     raise AssertionError("unreachable")

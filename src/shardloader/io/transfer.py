@@ -28,12 +28,17 @@ from typing import Any
 from shardloader.errors import FetchError
 from shardloader.io.checksum import checksum_fd, parse_checksum
 from shardloader.io.clients import filesystem
+from shardloader.io.files import write_at
 from shardloader.io.retry import (
+    STALLS,
     FetchCancelled,
     RetryPolicy,
     ShortRead,
+    answered,
     describe,
+    endpoint_of,
     http_status,
+    is_timeout,
     is_transient,
     pause,
     permanent_reason,
@@ -93,6 +98,7 @@ def download(
                 f"{url}: giving up after {time.monotonic() - start:.1f} s (deadline "
                 f"{policy.deadline:g} s, {failures} failed attempts); last error: {describe(exc)}"
             ) from exc
+        STALLS.check([url], policy, delay)
         if on_retry is not None:
             on_retry(exc, delay)
         pause(delay, url, cancel)
@@ -103,8 +109,11 @@ def download(
         while pending:
             if cancel is not None and cancel.is_set():
                 raise FetchCancelled(url)
+            STALLS.check([url], policy)
             batch, pending = pending[:parallel], pending[parallel:]
+            started = time.monotonic()
             results = _cat_ranges(fs, path, batch)
+            _record_round([(url, r) for r in results], started)
             failed: list[tuple[int, int]] = []
             first_error: BaseException | None = None
             for (lo, hi), result in zip(batch, results, strict=True):
@@ -113,7 +122,7 @@ def download(
                 else:
                     data, error = _check_range(result, lo, hi, size)
                     if error is None:
-                        os.pwrite(fd, data, lo)
+                        write_at(fd, data, lo)  # all of it, or the disk's OSError
                         stats.bytes_received += len(data)
                 if error is not None:
                     if not is_transient(error):
@@ -151,6 +160,19 @@ def _cat_ranges(fs: Any, path: str | list[str], ranges: list[tuple[int, int]]) -
     if len(results) != len(ranges):
         return [ShortRead(f"asked for {len(ranges)} ranges, got {len(results)} results")] * len(ranges)
     return list(results)
+
+
+def _record_round(results: list[tuple[str, Any]], started: float) -> None:
+    """Tell `STALLS` how a round of range requests begun at `started` went, per endpoint: any
+    answer from it ends its stall, else a timeout extends it."""
+    rounds: dict[str | None, tuple[str, bool, bool]] = {}
+    for url, result in results:
+        error = result if isinstance(result, BaseException) else None
+        first, got, late = rounds.get(endpoint_of(url), (url, False, False))
+        rounds[endpoint_of(url)] = (first, got or answered(error),
+                                    late or (error is not None and is_timeout(error)))
+    for url, got, late in rounds.values():
+        STALLS.record(url, started, answered=got, timed_out=late)
 
 
 def _check_range(data: Any, lo: int, hi: int, size: int) -> tuple[bytes, BaseException | None]:
@@ -209,8 +231,11 @@ def read_ranges(
     while pending:
         if cancel is not None and cancel.is_set():
             raise FetchCancelled(requests[pending[0]].url)
+        STALLS.check({requests[i].url: None for i in pending}, policy)
+        started = time.monotonic()
         results = _cat_ranges(fs, [requests[i].path for i in pending],
                               [(requests[i].lo, requests[i].hi) for i in pending])
+        _record_round([(requests[i].url, r) for i, r in zip(pending, results, strict=True)], started)
         failed: list[int] = []
         first_error: BaseException | None = None
         for i, result in zip(pending, results, strict=True):
@@ -239,6 +264,7 @@ def read_ranges(
                     f"{url}: giving up on a byte-range read after {failures} failed attempts; "
                     f"last error: {describe(first_error)}"
                 ) from first_error
+            STALLS.check({requests[i].url: None for i in pending}, policy, delay)
             pause(delay, url, cancel)
     stats.seconds = time.monotonic() - start
     return [b for b in out if b is not None], stats

@@ -24,7 +24,7 @@ from shardloader.loader.failures import SampleFailed
 from shardloader.loader.protocol import KeyedReads, LoaderDataset
 from shardloader.order.seeding import GlobalRngScope, sample_keys
 from shardloader.runtime.startup import paused_gc
-from shardloader.source.protocol import counter_delta
+from shardloader.source.protocol import counter_delta, job_counter_delta
 from shardloader.transforms.base import Compose, accepts_generator
 from shardloader.transforms.fused import DecodeCropFlip
 from shardloader.transforms.tensor import ToTensor
@@ -133,8 +133,9 @@ class BatchProducer:
         timings.download_wait_seconds = self.dataset.shard_wait_seconds() - wait_before
         timings.read_seconds = max(0.0, t1 - t0 - timings.download_wait_seconds)
         if before is not None:
-            timings.cache_hits, timings.cache_misses, timings.bytes_downloaded = counter_delta(
-                before, source.counters())
+            after = source.counters()
+            timings.cache_hits, timings.cache_misses, timings.bytes_downloaded = counter_delta(before, after)
+            timings.extra.update(job_counter_delta(before, after))
         batch = self._direct_batch(task, records, samples) if self._direct is not None else None
         if batch is None:
             if self.transform is not None:

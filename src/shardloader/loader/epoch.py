@@ -24,6 +24,7 @@ from shardloader.loader.protocol import LoaderDataset
 from shardloader.loader.recording import BatchRecorder
 from shardloader.loader.workers.pool import CLOSE_SECONDS
 from shardloader.runtime.startup import gc_paused, paused_gc
+from shardloader.telemetry.job.recorder import AttemptRecorder, current_attempt
 
 #: How long an iteration that failed waits for its workers to stop before terminating them.
 ERROR_CLOSE_SECONDS = 0.5
@@ -64,6 +65,7 @@ class EpochIterator:
         self.prefetch: EpochPrefetch | None = None  # made by _start
         self.broken: str | None = None  # why the iteration cannot go on (a worker died, ...)
         self.pinning: PinningThread | None = None  # pins batches ahead (pin_memory with workers)
+        self.recorder: BatchRecorder | None = None  # made by _start
 
     @gc_paused  # starts the workers: on the path to the first batch (see shardloader.runtime.startup)
     def _start(self) -> None:
@@ -86,6 +88,9 @@ class EpochIterator:
         self.recorder = BatchRecorder(self.stats, self.telemetry, self.dataset.source, rank=self.rank,
                                       epoch=self.epoch, steps=self.steps)
         self.prefetch.start_unless_deferred()
+        attempt = current_attempt()
+        if attempt is not None and attempt.claims(self.owner):  # the node cache's high water so far
+            attempt.add(cache_peak=self.dataset.source.node_counters().get("high_water", 0))
         if self.pin_memory and workers.num_workers > 0:
             self.pinning = PinningThread(self._fetch, depth=workers.depth,
                                          skip=lambda batch: isinstance(batch, BatchFailure))
@@ -112,6 +117,46 @@ class EpochIterator:
         return self.length
 
     def __next__(self) -> Any:
+        attempt = current_attempt()
+        if attempt is None or self.ended or not attempt.claims(self.owner):
+            return self._next_or_start()
+        return self._next_for_job(attempt)
+
+    def _next_for_job(self, attempt: AttemptRecorder) -> Any:
+        """`next()`, told to the job's attempt: how long it took and how far it moved the
+        cursor (linear positions: epoch * positions per epoch + position)."""
+        cursor = self.cursor
+        previous = cursor.last_batch  # advance() makes a new tuple: `is` tells if it moved
+        enter = time.perf_counter()
+        try:
+            batch = self._next_or_start()
+        except StopIteration:
+            attempt.add(cache_peak=self.dataset.source.node_counters().get("high_water", 0))
+            linear = cursor.epoch * cursor.length
+            late = self.recorder.take_job_amounts() if self.recorder is not None else None
+            attempt.on_next(enter, time.perf_counter(), linear, linear, epoch=cursor.epoch - 1,
+                            per_epoch=cursor.length, global_batch=cursor.global_batch_size,
+                            ended_epoch=True, **(late or {}))
+            raise
+        except BaseException:  # a failing sample's batch is consumed too (the cursor moved)
+            self._tell_attempt(attempt, enter, moved=cursor.last_batch is not previous, amounts=None)
+            raise
+        self._tell_attempt(attempt, enter, moved=True, amounts=self.recorder.take_job_amounts())
+        return batch
+
+    def _tell_attempt(self, attempt: AttemptRecorder, enter: float, *, moved: bool,
+                      amounts: dict[str, float] | None) -> None:
+        leave = time.perf_counter()
+        cursor = self.cursor
+        length, batch_positions = cursor.length, cursor.global_batch_size
+        after = cursor.epoch * length + cursor.position
+        before = after
+        if moved and cursor.last_batch is not None:
+            before = cursor.last_batch[0] * length + cursor.last_batch[1] * batch_positions
+        attempt.on_next(enter, leave, before, after, epoch=cursor.epoch, per_epoch=length,
+                        global_batch=batch_positions, **(amounts or {}))
+
+    def _next_or_start(self) -> Any:
         if self.ended:
             raise StopIteration
         if self.broken is not None:

@@ -68,8 +68,9 @@ from shardloader.order.shuffle import (
     EpochOrder,
     ShuffleSettings,
 )
-from shardloader.runtime.distenv import process_group_active, rank_and_world
+from shardloader.runtime.distenv import end_with_launcher, process_group_active, rank_and_world
 from shardloader.runtime.startup import gc_paused
+from shardloader.telemetry.job.recorder import current_attempt
 from shardloader.transforms.base import transform_version as describe_transform
 
 #: What a batch is, for type hints: `Loader[dict[str, torch.Tensor]]`.
@@ -206,6 +207,7 @@ class Loader(Generic[T_co]):
         map_style = isinstance(self._data, MapStyleDataset)
         self.batch_size = batch_size
         self.rank, self.world_size = rank_and_world(rank, world_size)
+        end_with_launcher()  # a rank orphaned by a killed torchrun agent stops (with its workers)
         self._world_from_group = rank is None or world_size is None  # checked again at iter()
         self.global_batch_size = batch_size * self.world_size
         check_world(self.global_batch_size, self.world_size, self.rank)
@@ -388,6 +390,9 @@ class Loader(Generic[T_co]):
                 f"{length} positions with global batch size {self.global_batch_size}"
             )
         self._cursor.restore(state["epoch"], position)
+        attempt = current_attempt()
+        if attempt is not None:  # where this attempt's training resumes, for the job's account
+            attempt.note_cursor(self, state["epoch"] * length + position)
 
     # -- iteration ----------------------------------------------------------------------------
     def __iter__(self) -> Iterator[T_co]:

@@ -83,6 +83,12 @@ def _has_proc() -> bool:
     return os.path.exists("/proc/self/stat")
 
 
+def identity_of(pid: int) -> ProcessIdentity:
+    """The identity of process `pid` now (its start time None when /proc does not know it)."""
+    stat = _stat(pid) if _has_proc() else None
+    return ProcessIdentity(pid, None if stat is None else stat[1])
+
+
 def this_process() -> ProcessIdentity:
     """This process's identity, for the children it starts to watch."""
     stat = _stat(os.getpid()) if _has_proc() else None
@@ -247,3 +253,19 @@ def start_children(function: Callable[[], T], *, timeout: float) -> T:
     except concurrent.futures.TimeoutError:
         future.cancel()
         raise TimeoutError(f"starting child processes took longer than {timeout} s") from None
+
+
+def launch_time(pid: int | None = None) -> float | None:
+    """When process `pid` (default: this one) started, in unix seconds, or None without /proc
+    or without that process: its start time in /proc (clock ticks after boot) against the time
+    since boot now (/proc/uptime), both to 10 ms. For this process it counts the interpreter's
+    start and the imports, which a clock read in the program misses."""
+    stat = _stat(os.getpid() if pid is None else pid) if _has_proc() else None
+    if stat is None or stat[0] in ("Z", "X"):  # gone, or exited and not reaped yet
+        return None
+    try:
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - (uptime - stat[1] / os.sysconf("SC_CLK_TCK"))

@@ -35,3 +35,26 @@ def rank_and_world(rank: int | None = None, world_size: int | None = None, *,
     else:
         found = 0, 1
     return (found[0] if rank is None else int(rank)), (found[1] if world_size is None else int(world_size))
+
+
+#: Set by torchrun (torch.distributed.elastic) in every rank it starts.
+LAUNCHER_VARIABLE = "TORCHELASTIC_RUN_ID"
+_watching_launcher: int | None = None  # the pid that watches its launcher (a fork does not)
+
+
+def end_with_launcher() -> bool:
+    """In a rank that torchrun started, end this process when the torchrun agent (its parent)
+    dies: a killed agent must not leave ranks that go on training and committing checkpoints
+    into a root the next launch will use. Watched by a pidfd (or by polling its pid and start
+    time), never by the parent-death signal, which follows the thread that started us.
+    Returns whether a watch runs; safe to call any number of times."""
+    global _watching_launcher
+    if LAUNCHER_VARIABLE not in os.environ:
+        return False
+    if _watching_launcher == os.getpid():
+        return True
+    from shardloader.runtime.child_process import die_with, identity_of
+
+    die_with(identity_of(os.getppid()), use_signal=False)
+    _watching_launcher = os.getpid()
+    return True

@@ -4,9 +4,10 @@ A source turns a shard's index entry into a local file path that is whole and ve
 contract: `shardloader.source.protocol`). The local source reads in place (never copies, never
 deletes); the remote source (`shardloader.source.remote`) downloads into the node's shard cache. Each process verifies a shard's
 checksum the first time it opens it (invariant I6), so a file damaged after an earlier
-verification is caught. The local source remembers the identity (inode, size, mtime) of each
-file it verified and verifies again whenever the file at the path has another identity (I12): a
-shard rewritten during a run is checked against the index before its reader is reopened.
+verification is caught. The local source remembers the identity (inode, size, mtime, change
+time) of each file it verified and verifies again whenever the file at the path has another
+identity (I12): a shard rewritten during a run, even in place with its mtime put back, is
+checked against the index before its reader is reopened (see `shardloader.io.identity`).
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ class LocalSource(ShardSource):
     """Shards read in place from a local directory, never copied.
 
     Each process verifies a file when it first opens it and again whenever the file at its
-    path has another identity (inode, size, mtime) than the one it verified: a file replaced by
-    rename or rewritten in place during a run is checked against the index before it is read.
+    path has another identity (inode, size, mtime, change time) than the one it verified: a
+    file replaced by rename or rewritten in place during a run is checked against the index
+    before it is read.
     With `verify=False` only the size is checked against the index.
     A shard whose path leads out of the root through a symbolic link (its own or a
     directory's) is refused with UnsafePathError, checked whenever the file is (re)verified;

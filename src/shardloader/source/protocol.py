@@ -25,6 +25,22 @@ BATCH_COUNTERS = ("cache_hits", "cache_misses", "bytes_downloaded")
 SOURCE_COUNTERS = (*BATCH_COUNTERS, "download_seconds", "wait_seconds")
 
 
+#: Counters the job's account takes per batch beside `BATCH_COUNTERS` (a source may lack any:
+#: zero), into `BatchTimings.extra`.
+JOB_COUNTERS = ("bytes_from_cache", "range_bytes", "range_requests", "downloads", "redownloads",
+                "bytes_redownloaded")
+
+
+def job_counter_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """What the `JOB_COUNTERS` gained from `before` to `after`; only those that moved."""
+    moved = {}
+    for name in JOB_COUNTERS:
+        gained = after.get(name, 0) - before.get(name, 0)
+        if gained:
+            moved[name] = gained
+    return moved
+
+
 def counter_delta(before: Mapping[str, float], after: Mapping[str, float]) -> tuple[int, int, int]:
     """What the `BATCH_COUNTERS` gained from `before` to `after` (two `counters()` readings),
     in that order: (cache_hits, cache_misses, bytes_downloaded)."""
@@ -110,6 +126,11 @@ class ShardSource(Protocol):
         from shardloader.cache.prefetch import NoPrefetch
 
         return NoPrefetch()
+
+    def node_counters(self) -> dict[str, int]:
+        """Counters of the node's cache shared by every process (`high_water`: the most bytes
+        it held at once, ...); {} for a source without a cache."""
+        return {}
 
     def counters(self) -> dict[str, float]:
         """This process's counters: at least `SOURCE_COUNTERS` (cache_hits, cache_misses,

@@ -18,10 +18,11 @@ if it still does not match, the remote object is not the one the index describes
 is a `ChecksumMismatch` naming the shard's URL and the byte range: never wrong rows. A sidecar
 that is missing or does not verify is a warning, and that shard is read whole, as before.
 
-Sidecars are shared on the node: a process that fetched and verified one keeps it in
-`<cache_dir>/ranges/<algorithm>-<digest>` (named by its checksum in the index, verified again
-when read). These files are small (about 65 bytes per row and column) and are not counted in the
-cache limit; `shardloader cache prune` leaves them.
+Sidecars are entries of the node cache (`shardloader.cache.sidecars`): fetched once per node,
+by whichever process needs one first, under its download lock (the others wait for it and read
+the file), verified against the index, committed like a shard and counted in the cache limit;
+eviction and `shardloader cache prune` remove them like shards. A process keeps the sidecars it
+decoded in memory (at most `max_shards`).
 
 The first batch. Before a Loader forks its workers, the training process fetches everything its
 first batch reads by range (`prime`: sidecars, then spans, verified) and keeps it; the workers
@@ -31,7 +32,8 @@ on loopback moto (which serves one request at a time), speed.py's cold first bat
 and the lighter S3 client of `shardloader.io.s3client` together took it from 1.34 s to 0.38 s
 (medians of 7 fresh processes, alternated). After the fork a background thread of the training
 process fetches the sidecars of the next batches' shards (`warm`) for the workers to find on the
-node; a worker never waits for it: what is not there yet it fetches itself.
+node; a worker that needs a sidecar the thread is fetching waits for that fetch (the sidecar's
+download lock) instead of fetching it again, and fetches what is not on the node itself.
 
 Bounds. Per process and shard, reads by range fetch at most `budget` (a fraction of the shard's
 size); a read that would pass it waits for the whole shard instead, so range reads cost at most
@@ -40,11 +42,8 @@ that fraction on top of the whole download, whatever the prefetcher does.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import random
-import secrets
 import threading
 import warnings
 from collections import ChainMap, OrderedDict
@@ -54,12 +53,14 @@ from typing import Any
 
 import numpy as np
 
+from shardloader.cache.layout import sidecar_name
+from shardloader.cache.sidecars import SidecarWant, load_sidecars, matches
+from shardloader.cache.store import ShardCache
 from shardloader.errors import ChecksumMismatch, ShardloaderError, UnsafePathError
 from shardloader.format.arrays import sorted_unique
 from shardloader.format.index import ShardInfo
 from shardloader.format.ranges import RANGES_KEY, RangeTable, span_hash
 from shardloader.format.registry import rows_from_spans, shard_format
-from shardloader.io.checksum import checksum_bytes, parse_checksum
 from shardloader.io.paths import join_url, safe_relative_path
 from shardloader.io.retry import RetryPolicy
 from shardloader.io.transfer import FetchStats, RangeRequest, read_ranges
@@ -120,14 +121,14 @@ class RangeReads:
         filesystem: Callable[[], tuple[Any, str]],
         root: str,
         *,
+        cache: Callable[[], ShardCache],
         policy: RetryPolicy,
         gap: int = DEFAULT_GAP,
         budget: float = 0.5,
         max_shards: int = 64,
-        sidecar_dir: str | None = None,
     ) -> None:
         self._filesystem = filesystem
-        self.sidecar_dir = sidecar_dir
+        self._cache = cache  # this process's handle on the node cache, where sidecars live
         self.root = root
         self.policy = policy
         self.gap = gap
@@ -269,94 +270,65 @@ class RangeReads:
         return known
 
     def _load(self, todo: list[ShardInfo]) -> dict[str, _ShardState | None]:
-        """Fetch (or find on the node) and decode the sidecars of `todo`."""
+        """Find on the node (or fetch once for the node) and decode the sidecars of `todo`."""
         known: dict[str, _ShardState | None] = {}
         if not todo:
             return known
-        wanted: list[tuple[ShardInfo, str, str, int, str]] = []  # info, kind, relative, bytes, checksum
+        wanted: list[tuple[ShardInfo, str, SidecarWant, str]] = []  # info, kind, want, relative
         for info in {i.path: i for i in todo}.values():
             entries = _sidecars(info)
             if entries is None:
                 self._remember(info.path, None)
                 known[info.path] = None
                 continue
-            wanted += [(info, kind, rel, size, checksum) for kind, (rel, size, checksum) in entries.items()]
+            wanted += [(info, kind, SidecarWant(name, size, checksum, self._url(rel)), rel)
+                       for kind, (rel, size, checksum, name) in entries.items()]
+        if not wanted:
+            return known
+        paths = {want.name: rel for _, _, want, rel in wanted}
+        blobs = load_sidecars(self._cache(), [want for _, _, want, _ in wanted],
+                              lambda wants: self._fetch_sidecars(wants, paths))
         loaded: dict[str, dict[str, bytes]] = {}
-        remote = []
-        for item in wanted:
-            local = self._load_local(item[4], item[3])
-            if local is None:
-                remote.append(item)
-            else:
-                loaded.setdefault(item[0].path, {})[item[1]] = local
-        if remote:
-            fs, base = self._filesystem()
-            requests = [RangeRequest(join_url(base, rel) if base else rel, self._url(rel), 0, size, size)
-                        for _, _, rel, size, _ in remote]
-            try:
-                data, stats = read_ranges(fs, requests, policy=self.policy, rng=self._rng)
-            except ShardloaderError as e:
-                warnings.warn(f"range sidecars not readable ({e}); reading those shards whole", stacklevel=4)
-                data, stats = [b""] * len(remote), FetchStats()
-            self._count(stats, len(requests))
-            for (info, kind, rel, size, checksum), blob in zip(remote, data):
-                if len(blob) == size and checksum_bytes(blob, parse_checksum(checksum)[0]) == checksum:
-                    loaded.setdefault(info.path, {})[kind] = blob
-                    self._store_local(checksum, blob)
-                elif blob or size == 0:
-                    warnings.warn(f"{self._url(rel)}: sidecar does not match its index entry (size or "
-                                  "checksum); reading the shard whole", stacklevel=4)
-        if wanted:
-            for info in {i.path: i for i, *_ in wanted}.values():
-                state = self._decode(info, loaded.get(info.path, {}))
-                self._remember(info.path, state)
-                known[info.path] = state
+        for (info, kind, _, _), blob in zip(wanted, blobs):
+            if blob is not None:
+                loaded.setdefault(info.path, {})[kind] = blob
+        for info in {i.path: i for i, *_ in wanted}.values():
+            state = self._decode(info, loaded.get(info.path, {}))
+            self._remember(info.path, state)
+            known[info.path] = state
         return known
 
-    # -- sidecars shared on the node ---------------------------------------------------------
-    def _local_path(self, checksum: str) -> str | None:
-        if self.sidecar_dir is None:
-            return None
-        algorithm, digest = parse_checksum(checksum)  # validated: hex digest, known algorithm
-        return os.path.join(self.sidecar_dir, f"{algorithm}-{digest}")
-
-    def _load_local(self, checksum: str, size: int) -> bytes | None:
-        """A sidecar another process of the node fetched, if it is there and verifies."""
-        path = self._local_path(checksum)
-        if path is None:
-            return None
+    def _fetch_sidecars(self, wants: list[SidecarWant], paths: dict[str, str]) -> list[bytes | None]:
+        """The sidecars `wants` (relative paths in `paths`) fetched in one round of requests;
+        None (with a warning: that shard is read whole) for those that fail or do not match
+        their index entry. Called by the node cache with their download locks held."""
+        fs, base = self._filesystem()
+        requests = []
+        for want in wants:
+            rel = paths[want.name]
+            requests.append(RangeRequest(join_url(base, rel) if base else rel, want.what, 0, want.bytes, want.bytes))
         try:
-            with open(path, "rb") as f:
-                data = f.read(size + 1)
-        except OSError:
-            return None
-        if len(data) != size or checksum_bytes(data, parse_checksum(checksum)[0]) != checksum:
-            return None
-        return data
-
-    def _store_local(self, checksum: str, data: bytes) -> None:
-        """Keep a verified sidecar for the node's other processes (best effort, atomic)."""
-        path = self._local_path(checksum)
-        if path is None or os.path.exists(path):
-            return
-        # Not `tempfile`: its first use takes a module lock, which a worker forked at that
-        # instant would inherit held forever.
-        temp = f"{path}.{os.getpid()}.{secrets.token_hex(6)}.part"
-        try:
-            os.makedirs(self.sidecar_dir, mode=0o700, exist_ok=True)  # type: ignore[arg-type]
-            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(temp, path)
-        except OSError:
-            log.debug("could not keep sidecar %s", path, exc_info=True)
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
+            data, stats = read_ranges(fs, requests, policy=self.policy, rng=self._rng)
+        except ShardloaderError as e:
+            warnings.warn(f"range sidecars not readable ({e}); reading those shards whole", stacklevel=2)
+            return [None] * len(wants)
+        self._count(stats, len(requests))
+        out: list[bytes | None] = []
+        for want, blob in zip(wants, data):
+            if matches(blob, want):
+                out.append(blob)
+                continue
+            if blob or want.bytes == 0:
+                warnings.warn(f"{want.what}: sidecar does not match its index entry (size or "
+                              "checksum); reading the shard whole", stacklevel=2)
+            out.append(None)
+        return out
 
     def warm(self, infos: Sequence[ShardInfo]) -> None:
-        """Load the sidecars of `infos` (from the node, else remotely) and keep them on the node
-        for other processes: a Loader calls this in a background thread of the training process
-        while its workers start, so that their first reads need no sidecar round."""
+        """Load the sidecars of `infos` (from the node, else remotely once for the node) into the
+        node cache for other processes: a Loader calls this in a background thread of the
+        training process while its workers start, so that their first reads need no sidecar
+        round."""
         try:
             self._states(infos)
         except Exception:  # noqa: BLE001 - an optimisation: readers fetch what they need
@@ -444,9 +416,10 @@ class RangeReads:
             self.counters.seconds += stats.seconds
 
 
-def _sidecars(info: ShardInfo) -> dict[str, tuple[str, int, str]] | None:
-    """(relative path, bytes, checksum) of the sidecars a read by range of `info` needs, or None
-    when the index describes none (an index written before range sidecars existed)."""
+def _sidecars(info: ShardInfo) -> dict[str, tuple[str, int, str, str]] | None:
+    """(relative path, bytes, checksum, cache name) of the sidecars a read by range of `info`
+    needs, by kind, or None when the index describes none (an index written before range
+    sidecars existed) or one that cannot be used."""
     companion = shard_format(info.format).companion
     keys = {"ranges": RANGES_KEY} if companion is None else {"ranges": RANGES_KEY, companion.key: companion.key}
     out = {}
@@ -459,9 +432,9 @@ def _sidecars(info: ShardInfo) -> dict[str, tuple[str, int, str]] | None:
             return None
         try:
             rel = safe_relative_path(rel, what=f"{info.path}: {kind} sidecar")
-            parse_checksum(str(checksum))
+            name = sidecar_name(str(checksum), kind)
         except (UnsafePathError, ValueError) as e:
-            log.warning("%s: not reading by range: %s", info.path, e)
+            log.warning("%s: not reading by range: %s sidecar: %s", info.path, kind, e)
             return None
-        out[kind] = (rel, size, str(checksum))
+        out[kind] = (rel, size, str(checksum), name)
     return out

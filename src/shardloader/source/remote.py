@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -29,7 +30,10 @@ from shardloader.cache.capacity import (
     readers_per_rank,
 )
 from shardloader.cache.download import Companion, Fetch
+from shardloader.cache.layout import sidecar_name
 from shardloader.cache.prefetch import NoPrefetch, Prefetcher
+from shardloader.cache.sidecars import SidecarWant, cached_sidecar
+from shardloader.cache.space import check_writable, make_cache_root
 from shardloader.cache.store import COUNTER_NAMES, Releaser, ShardCache
 from shardloader.errors import ShardloaderError, UnsafePathError
 from shardloader.format.index import ShardInfo
@@ -114,7 +118,7 @@ class RemoteSource(ShardSource):
         self.root = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
         self.cache_dir = os.path.abspath(os.fspath(cache_dir or default_cache_dir()))
-        os.makedirs(self.cache_dir, mode=0o700, exist_ok=True)
+        make_cache_root(self.cache_dir)  # CacheDiskError naming it when it cannot be made
         self.cache_limit = (
             _size(cache_limit, "cache_limit") if cache_limit is not None
             else default_cache_limit(self.cache_dir)
@@ -140,6 +144,9 @@ class RemoteSource(ShardSource):
             raise ValueError(f"range_budget must be >= 0, got {range_budget}")
         self.range_budget = float(range_budget)
         self.prefetch_expected = False  # set by a Loader that prefetches whole shards
+        # When this run began reading: shards prefetched after it and unread are not cache
+        # savings (`ShardCache._saved_download`); travels to the workers with the config.
+        self.fresh_after = time.time()
         self.needs: CacheNeeds | None = None  # set by check_capacity
         self._reset_process_state()
 
@@ -147,6 +154,7 @@ class RemoteSource(ShardSource):
         "root", "storage_options", "cache_dir", "cache_limit", "retry", "chunk_size",
         "parallel_ranges", "prefetch", "prefetch_concurrency", "prefetch_shards", "prefetch_bytes",
         "full_timeout", "range_reads", "range_gap", "range_budget", "prefetch_expected", "needs",
+        "fresh_after",
     )
 
     def _reset_process_state(self) -> None:
@@ -179,7 +187,8 @@ class RemoteSource(ShardSource):
             self._reset_process_state()
         with self._lock:
             if self._store_obj is None:
-                store = ShardCache(self.cache_dir, self.cache_limit, full_timeout=self.full_timeout)
+                store = ShardCache(self.cache_dir, self.cache_limit, full_timeout=self.full_timeout,
+                                   fresh_after=self.fresh_after)
                 if self.needs is not None:
                     store.reader_reserve = self.needs.reader_reserve
                 for releaser in self._releasers:
@@ -233,7 +242,23 @@ class RemoteSource(ShardSource):
         except (UnsafePathError, ValueError) as e:
             log.warning("%s: not caching the offsets sidecar: %s", info.path, e)
             return ()
-        return (Companion(companion.suffix, size, self._fetch_callback(relative, size, str(checksum))),)
+        fetch = self._fetch_callback(relative, size, str(checksum))
+        try:  # a read by range may have put it on the node already: the server is asked once
+            want = SidecarWant(sidecar_name(str(checksum), companion.key), size, str(checksum),
+                               join_url(self.root, relative))
+        except ValueError:
+            return (Companion(companion.suffix, size, fetch),)
+
+        def from_node(fd: int, cancel: threading.Event | None) -> FetchStats:
+            data = cached_sidecar(self.store, want)
+            if data is None:
+                return fetch(fd, cancel)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            return FetchStats()
+
+        return (Companion(companion.suffix, size, from_node),)
 
     # -- the ShardSource contract --------------------------------------------------------------
     def local_path(self, info: ShardInfo) -> str:
@@ -295,16 +320,27 @@ class RemoteSource(ShardSource):
 
     def warm_ranges(self, shard_infos: Iterable[ShardInfo]) -> threading.Thread | None:
         """Fetch the range sidecars of `shard_infos` (the first shards a Loader needs) in a
-        background thread and keep them on the node for its workers; returns at once."""
+        background thread and keep them on the node for its workers; returns at once. Shards
+        whole on the node when the thread runs are left out: their readers read them there."""
         if not (self.range_reads and self.prefetch):
             return None
         infos = [info for info in shard_infos if RANGES_KEY in info.extra]
         if not infos:
             return None
         reads = self._range_reads()
-        thread = threading.Thread(target=reads.warm, args=(infos,), name="shardloader-ranges", daemon=True)
+
+        def warm() -> None:
+            reads.warm([info for info in infos if not self._whole_on_node(info)])
+
+        thread = threading.Thread(target=warm, name="shardloader-ranges", daemon=True)
         thread.start()
         return thread
+
+    def _whole_on_node(self, info: ShardInfo) -> bool:
+        try:
+            return os.path.exists(self.store.path_for(info))
+        except ShardloaderError:
+            return True  # a bad index entry: the whole-shard path names it
 
     def defers_prefetch(self, index: Any) -> bool:
         """Whether the Loader should start prefetch only after the first batch: when every
@@ -328,9 +364,9 @@ class RemoteSource(ShardSource):
             self._reset_process_state()
         with self._lock:
             if self._ranged is None:
-                self._ranged = RangeReads(self._filesystem, self.root, policy=self.retry,
-                                          gap=self.range_gap, budget=self.range_budget,
-                                          sidecar_dir=os.path.join(self.cache_dir, "ranges"))
+                self._ranged = RangeReads(self._filesystem, self.root, cache=lambda: self.store,
+                                          policy=self.retry, gap=self.range_gap,
+                                          budget=self.range_budget)
             return self._ranged
 
     def release(self, info: ShardInfo) -> None:
@@ -356,6 +392,7 @@ class RemoteSource(ShardSource):
         needs = cache_needs(self._largest[1], readers_per_rank=readers_per_rank(num_workers),
                             ranks_per_node=ranks_per_node(), prefetch_downloads=int(self.prefetch))
         check_limit(self.cache_limit, needs, self.cache_dir)
+        check_writable(self.cache_dir)  # a read-only cache: one clear error before any worker
         self.needs = needs
         if self._store_obj is not None and self._pid == os.getpid():
             self._store_obj.reader_reserve = needs.reader_reserve

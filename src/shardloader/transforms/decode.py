@@ -15,6 +15,12 @@ Image fields hold encoded bytes, or a Hugging Face `datasets` image: a dict
 (an HF dataset that refers to files by path instead of embedding them) is an error naming the
 path: such paths are usually absolute paths on the machine that built the dataset, and reading
 files named by stored data would let a dataset reach outside its root, so they are never opened.
+
+Before any pixel is decoded, the image's size is read from its header and checked: an image with
+more pixels than `max_pixels` (default 178,956,970, PIL's bound; the environment variable
+``SHARDLOADER_MAX_IMAGE_PIXELS`` changes it), or a JPEG that claims more pixels than its bytes
+can hold, is an ImageDecodeError instead of a multi-GiB allocation (see
+`shardloader.transforms.image_size`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from shardloader.transforms.base import (
     opencv,
     with_field,
 )
+from shardloader.transforms.image_size import max_image_pixels, oversize_problem
 
 BACKENDS = ("auto", "pil")
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -51,9 +58,12 @@ def is_jpeg(data: Any) -> bool:
     return bytes(memoryview(data)[:3]) == _JPEG_MAGIC
 
 
-def decode_image(data: Any, mode: str = "RGB", backend: str = "auto") -> np.ndarray:
+def decode_image(data: Any, mode: str = "RGB", backend: str = "auto", *,
+                 max_pixels: int | None = None) -> np.ndarray:
     """Decode image bytes (`bytes`, `bytearray`, `memoryview` or a uint8 numpy array) into an
-    HWC uint8 array in PIL mode `mode`. Raises ImageDecodeError with the reason on failure."""
+    HWC uint8 array in PIL mode `mode`. Raises ImageDecodeError with the reason on failure, and
+    before decoding when the header declares more than `max_pixels` pixels (None: the default,
+    see `shardloader.transforms.image_size`) or more than a JPEG's bytes can hold."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown decode backend {backend!r} (known: {', '.join(BACKENDS)})")
     try:
@@ -64,6 +74,9 @@ def decode_image(data: Any, mode: str = "RGB", backend: str = "auto") -> np.ndar
         ) from None
     if view.nbytes == 0:
         raise ImageDecodeError("image bytes are empty")
+    problem = oversize_problem(view, max_image_pixels(max_pixels))
+    if problem is not None:
+        raise ImageDecodeError(problem)
     errors: list[str] = []
     if backend == "auto":
         if mode in _SIMPLEJPEG_COLORSPACE and is_jpeg(view):
@@ -247,10 +260,13 @@ def _checked_crop_decoder() -> Any:
 def _decode_opencv(view: memoryview, mode: str) -> np.ndarray | None:
     cv2 = opencv()
     buf = np.frombuffer(view, dtype=np.uint8)
+    flags = cv2.IMREAD_GRAYSCALE if mode == "L" else cv2.IMREAD_COLOR
+    try:
+        image = cv2.imdecode(buf, flags | cv2.IMREAD_IGNORE_ORIENTATION)
+    except cv2.error:  # e.g. more pixels than OpenCV's own bound: PIL tries, and says why
+        return None
     if mode == "L":
-        image = cv2.imdecode(buf, cv2.IMREAD_GRAYSCALE | cv2.IMREAD_IGNORE_ORIENTATION)
         return None if image is None else image[:, :, None]
-    image = cv2.imdecode(buf, cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
     if image is None:
         return None
     return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
@@ -299,27 +315,38 @@ class DecodeImage(Transform):
     `mode` is a PIL mode ("RGB", "L", "RGBA", ...); `backend="auto"` uses simplejpeg for JPEG
     and OpenCV for other formats (PIL as fallback), `backend="pil"` uses PIL only. The field
     holds encoded bytes or a Hugging Face image dict ``{"bytes", "path"}`` (see module doc).
+    An image whose header declares more than `max_pixels` pixels (None: 178,956,970 or
+    ``SHARDLOADER_MAX_IMAGE_PIXELS``, read here) is an ImageDecodeError before it is decoded;
+    `max_pixels` changes no output, so it is not part of the transform's version.
     """
 
+    #: Constructor arguments that change no output (a bound on the input), so not in `params()`
+    #: and the version: a resume with another max_pixels is the same pipeline.
+    unversioned = ("max_pixels",)
+
     def __init__(
-        self, field: str = "image", out: str = "image", mode: str = "RGB", backend: str = "auto"
+        self, field: str = "image", out: str = "image", mode: str = "RGB", backend: str = "auto",
+        *, max_pixels: int | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"DecodeImage: unknown backend {backend!r} (known: {', '.join(BACKENDS)})")
         self.field, self.out, self.mode, self.backend = field, out, mode, backend
+        self.max_pixels = max_image_pixels(max_pixels, who="DecodeImage: max_pixels")
 
     def __call__(self, sample: Sample) -> Sample:
         data = get_field(sample, self.field, "DecodeImage")
-        return with_field(sample, self.out, decode_field(data, sample, self.field, self.mode, self.backend))
+        return with_field(sample, self.out, decode_field(data, sample, self.field, self.mode,
+                                                         self.backend, self.max_pixels))
 
     def params(self) -> dict[str, Any]:
         return {"field": self.field, "out": self.out, "mode": self.mode, "backend": self.backend}
 
 
-def decode_field(data: Any, sample: Sample, field: str, mode: str, backend: str) -> np.ndarray:
+def decode_field(data: Any, sample: Sample, field: str, mode: str, backend: str,
+                 max_pixels: int | None = None) -> np.ndarray:
     """`decode_image` of `image_bytes(data)`, whose errors name the field and the sample."""
     data = image_bytes(data, sample, field)
     try:
-        return decode_image(data, mode, backend)
+        return decode_image(data, mode, backend, max_pixels=max_pixels)
     except ImageDecodeError as e:
         raise ImageDecodeError(f"field {field!r} of {describe_sample(sample)}: {e}") from None

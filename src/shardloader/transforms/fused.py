@@ -27,8 +27,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardloader.transforms.base import Sample, Transform, get_field, opencv, with_field
+from shardloader.transforms.base import (
+    Sample,
+    Transform,
+    describe_sample,
+    get_field,
+    opencv,
+    with_field,
+)
 from shardloader.transforms.decode import (
+    ImageDecodeError,
     decode_field,
     decode_jpeg,
     decode_jpeg_crop,
@@ -44,6 +52,7 @@ from shardloader.transforms.geometry import (
     sample_crop_box_and_flip,
     size_pair,
 )
+from shardloader.transforms.image_size import max_image_pixels, oversize_problem
 
 _REDUCTIONS = (8, 4, 2)
 
@@ -61,12 +70,19 @@ class DecodeCropFlip(Transform):
     `antialias_method` is how `antialias=True` downscales: "adaptive" (default) or "k-area"
     (the only method before "adaptive" was added; pass it to resume a state saved then). See
     `shardloader.transforms.geometry`.
+    An image whose header declares more than `max_pixels` pixels (None: 178,956,970 or
+    ``SHARDLOADER_MAX_IMAGE_PIXELS``, read here), or a JPEG that declares more pixels than its
+    bytes can hold, is an ImageDecodeError naming the field and sample, before it is decoded
+    (see `shardloader.transforms.image_size`; not part of the version: it changes no output).
 
     `into(sample, dst, generator)` writes the image into a preallocated array instead (a slice
     of a batch: the Loader's fast batch path), with the same bytes.
     """
 
     impl = 1
+    #: Constructor arguments that change no output (a bound on the input), so not in `params()`
+    #: and the version: a resume with another max_pixels is the same pipeline.
+    unversioned = ("max_pixels",)
 
     def __init__(
         self,
@@ -84,8 +100,10 @@ class DecodeCropFlip(Transform):
         fastupsample: bool = False,
         max_upscale: float = 1.0,
         antialias_method: str = DEFAULT_ANTIALIAS_METHOD,
+        max_pixels: int | None = None,
     ) -> None:
         self.size = size_pair(size, "DecodeCropFlip")
+        self.max_pixels = max_image_pixels(max_pixels, who="DecodeCropFlip: max_pixels")
         check_antialias_method(antialias_method, "DecodeCropFlip")
         self.antialias_method = antialias_method
         if not 0 < scale[0] <= scale[1]:
@@ -168,11 +186,14 @@ class DecodeCropFlip(Transform):
         data = image_bytes(get_field(sample, self.field, "DecodeCropFlip"), sample, self.field)
         header = _jpeg_size(data) if self.mode in ("RGB", "L") else None
         if header is None:  # not a JPEG (or not one simplejpeg reads): decode, then crop
-            image = decode_field(data, sample, self.field, self.mode, "auto")
+            image = decode_field(data, sample, self.field, self.mode, "auto", self.max_pixels)
             height, width = image.shape[:2]
             (top, left, h, w), flip = sample_crop_box_and_flip(
                 height, width, self.scale, self.ratio, self.p, generator)
             return image[top : top + h, left : left + w], flip
+        problem = oversize_problem(memoryview(data), self.max_pixels, header)
+        if problem is not None:
+            raise ImageDecodeError(f"field {self.field!r} of {describe_sample(sample)}: {problem}")
         height, width = header
         (top, left, h, w), flip = sample_crop_box_and_flip(
             height, width, self.scale, self.ratio, self.p, generator)
@@ -200,7 +221,7 @@ class DecodeCropFlip(Transform):
         except ValueError:
             # CMYK, truncated or corrupt: the general decoder falls back to PIL or raises an
             # ImageDecodeError that names the field and sample.
-            return decode_field(data, sample, self.field, self.mode, "auto")
+            return decode_field(data, sample, self.field, self.mode, "auto", self.max_pixels)
 
 
 def snap_box(

@@ -11,9 +11,10 @@ other ranks of an `all_ranks` logger, finding rank 0's run by its token), loggin
 Rows (what the logger sends), plain tuples so they pickle cheaply:
     ("b", step, timestamp_ms, (value, ...))  - one batch record, values in `keys` order
     ("m", {name: value}, step, timestamp_ms) - free-form metrics (name gets the rank suffix)
+    ("a", attempt_info)                      - the job's attempt is known (see `jobruns`)
 Messages to the writer process: ("rows", [row, ...]), ("flush", n), ("close", seconds).
-Replies: ("state", state) once the run is known, ("ack", n, state) to a flush,
-("closed", state) to a close.
+Replies: ("state", state) once the run is known (and again once it is under its job's parent
+run), ("ack", n, state) to a flush, ("closed", state) to a close.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from shardloader.telemetry.mlflow.jobruns import JobRuns
 from shardloader.telemetry.mlflow.owner import TAG_HOST, owner_is_gone
 from shardloader.telemetry.mlflow.probe import is_http, probe
 
@@ -78,13 +80,16 @@ class Delivery:
     `max_pending` metrics and drops the oldest beyond that (counted). `run_id` None means the
     run is made here when the server answers: created (in `experiment`, tagged with
     `owner_tags` and `run_token`) when `create_run`, else found by its `run_token` tag (rank 0
-    creates it). `owns_run` marks a run this side ends on `finish()`.
+    creates it). `owns_run` marks a run this side ends on `finish()`. `job` (or a later "a"
+    row): the job's attempt; the run is then put under the job's parent run, and `close()`
+    logs the job's figures (see `jobruns`).
     """
 
     def __init__(self, *, tracking_uri: str, run_id: str | None, experiment: str | None,
                  keys: tuple[str, ...], suffix: str, max_pending: int, probe_timeout: float,
                  owns_run: bool, create_run: bool = True, run_token: str | None = None,
-                 owner_tags: dict[str, str] | None = None, sweep: bool = False) -> None:
+                 owner_tags: dict[str, str] | None = None, sweep: bool = False,
+                 job: dict[str, Any] | None = None) -> None:
         from mlflow import MlflowClient
 
         self.tracking_uri = tracking_uri
@@ -104,6 +109,7 @@ class Delivery:
         self.waiting_for_run = False  # the server answers; rank 0's run is not there yet
         self.stopping = False
         self.swept = not sweep  # sweep: look for runs left RUNNING by dead trainers
+        self.job = JobRuns(job) if job is not None else None
         self._backoff = 0.0
         self._next_attempt = 0.0
         self._last_warning = 0.0
@@ -114,7 +120,9 @@ class Delivery:
     def state(self) -> dict[str, Any]:
         return {"metrics_logged": self.metrics_logged, "metrics_dropped": self.metrics_dropped,
                 "metrics_pending": len(self.pending), "batch_calls": self.batch_calls,
-                "run_id": self.run_id, "owns_run": self.owns_run, "healthy": self.healthy}
+                "run_id": self.run_id, "owns_run": self.owns_run, "healthy": self.healthy,
+                "parent_run_id": self.job.parent_id if self.job else None,
+                "job_errors": self.job.errors if self.job else 0}
 
     def add(self, rows: Iterable[tuple[Any, ...]]) -> None:
         from mlflow.entities import Metric
@@ -122,7 +130,10 @@ class Delivery:
         pending = self.pending
         keys = self.keys
         for row in rows:
-            if row[0] == "b":
+            if row[0] == "a":
+                if self.job is None:
+                    self.job = JobRuns(row[1])
+            elif row[0] == "b":
                 _, step, ts, values = row
                 for key, value in zip(keys, values, strict=True):
                     pending.append(Metric(key, float(value), ts, step))
@@ -217,7 +228,8 @@ class Delivery:
     def deliver(self, force: bool = False) -> None:
         """Send what is buffered (creating the run first), unless backing off (`force` retries
         now)."""
-        if not self.pending and self.run_id is not None:
+        linking = self.job is not None and self.job.wants_link(force)
+        if not self.pending and self.run_id is not None and not linking:
             return
         if not force and time.monotonic() < self._next_attempt:
             return
@@ -228,6 +240,8 @@ class Delivery:
                 return
         if not self._ensure_run():
             return
+        if linking:
+            self._link_job()
         pending = self.pending
         while pending:
             chunk = [pending[i] for i in range(min(MAX_METRICS_PER_CALL, len(pending)))]
@@ -252,15 +266,30 @@ class Delivery:
         self._backoff = 0.0
         self._next_attempt = 0.0
 
+    def _link_job(self) -> None:
+        """Put the run under its job's parent run; a failure is warned about and retried
+        later (with its own backoff), never holding back the metrics."""
+        try:
+            self.job.link(self.client, self.run_id, rename=self.owns_run)
+        except Exception as exc:  # noqa: BLE001 - the server's problem, not training's
+            again = "" if self.job.gave_up else "; will retry"
+            self._warn(f"MLflow telemetry: could not put run {self.run_id} under job "
+                       f"{self.job.info['job_id']}'s parent run: {exc!r}{again}")
+
     def close(self, deadline: float) -> None:
-        """Last delivery, then end a run this side created. One attempt, except while the
-        server answers and only rank 0's shared run is still missing (retried until
-        `deadline`, a time.monotonic() value)."""
+        """Last delivery, the job's figures and the end of its parent run (when the run is
+        under one and the server answers), then end a run this side created. One attempt,
+        except while the server answers and only rank 0's shared run is still missing
+        (retried until `deadline`, a time.monotonic() value)."""
         self.stopping = True
         self.deliver(force=True)
         while self.waiting_for_run and time.monotonic() + 0.3 < deadline:
             time.sleep(0.2)  # rank 0 is creating the run right now; nothing to wait on but time
             self.deliver(force=True)
+        job = self.job
+        if (job is not None and job.linked and self.healthy
+                and server_reachable(self.tracking_uri, self.probe_timeout)):
+            job.close(self.client, self.run_id, deadline)
         self.finish()
 
     def finish(self, status: str = "FINISHED") -> None:
@@ -294,11 +323,12 @@ def serve(conn: Any, delivery: Delivery, flush_interval: float) -> None:
     End of file on the connection means the training process closed it without a word (or
     died: then `die_with_parent` ends this process anyway): stop at once, end nothing."""
     delivery.start()
-    run_reported = False
+    reported: tuple[Any, Any] = (None, None)  # (run id, parent run id) last reported
     while True:
-        if not run_reported and delivery.run_id is not None:
+        known = (delivery.run_id, delivery.job.parent_id if delivery.job else None)
+        if known != reported and delivery.run_id is not None:
             conn.send(("state", delivery.state()))  # one small message: wait_run_id() sees it
-            run_reported = True
+            reported = known
         try:
             ready = conn.poll(flush_interval)
             message = conn.recv() if ready else None
@@ -311,7 +341,7 @@ def serve(conn: Any, delivery: Delivery, flush_interval: float) -> None:
             elif kind == "flush":
                 delivery.deliver(force=True)
                 conn.send(("ack", message[1], delivery.state()))
-                run_reported = run_reported or delivery.run_id is not None
+                reported = (delivery.run_id, delivery.job.parent_id if delivery.job else None)
                 continue
             elif kind == "close":
                 delivery.close(time.monotonic() + float(message[1]))

@@ -30,6 +30,11 @@ A tracking server that is down or hangs never stalls or crashes training:
   check) and its socket is closed in every child forked later (loader workers), so a killed
   trainer leaves nothing behind; its run, left RUNNING, is marked FAILED by the next logger
   that creates a run in the same experiment on the same machine.
+
+A job's attempts (`shardloader.telemetry.job`): once a `Checkpointer` has made this process's
+attempt (usually after the logger was made), the background thread tells the delivery side,
+which puts the run under the job's parent run and, at close, logs the job's accounting there
+(see `jobruns`).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from typing import Any
 
 from shardloader.runtime.distenv import process_group_active, rank_and_world
 from shardloader.telemetry.background import BackgroundSink
+from shardloader.telemetry.mlflow import jobruns
 from shardloader.telemetry.mlflow.delivery import experiment_id_for, server_reachable
 from shardloader.telemetry.mlflow.owner import owner_tags
 from shardloader.telemetry.mlflow.probe import is_local_store
@@ -92,10 +98,13 @@ class MLflowLogger(BackgroundSink):
     `jsonl_path` also writes every record to a JSON-lines file (see `JsonlLogger`).
     Time limits: `close_timeout` bounds `close()` (and `flush()` by default); `probe_timeout`
     the liveness probe before each delivery attempt; `request_timeout` each MLflow request of
-    the writer process. Counters: `dropped` (records refused, queue full), `metrics_logged`,
-    `metrics_dropped` (buffer overflow or rejected by the server), `batch_calls` (log_batch
-    calls), and in `counters()` `metrics_undelivered` (as of `close()`: every metric handed to
-    the logger and not confirmed delivered).
+    the writer process. Job: when this process's attempt of a job is known (a `Checkpointer`
+    made it), rank 0's run becomes a child of the job's parent run (`parent_run_id`), which
+    gets the job's figures (`job/goodput`, `job/seconds/...`) at close. Counters: `dropped`
+    (records refused, queue full), `metrics_logged`, `metrics_dropped` (buffer overflow or
+    rejected by the server), `batch_calls` (log_batch calls), and in `counters()`
+    `metrics_undelivered` (as of `close()`: every metric handed to the logger and not
+    confirmed delivered).
     """
 
     def __init__(
@@ -150,6 +159,7 @@ class MLflowLogger(BackgroundSink):
         self._owner_tags = owner_tags()
         self._creator_pid = os.getpid()
         self._started_fluent_run = False  # mlflow.start_run on this thread: close() ends it
+        self._job: dict[str, Any] | None = None  # this process's attempt ({}: unreadable)
         self._state: dict[str, Any] = {"metrics_logged": 0, "metrics_dropped": 0,
                                        "metrics_pending": 0, "batch_calls": 0, "healthy": True}
         self._metrics_refused = 0  # metrics of records the queue refused (full)
@@ -181,15 +191,23 @@ class MLflowLogger(BackgroundSink):
     def batch_calls(self) -> int:
         return self._state["batch_calls"]
 
+    @property
+    def parent_run_id(self) -> str | None:
+        """The job's parent run, once the delivery side has put this run under it (as of its
+        last report: a flush, close, or the writer's own report)."""
+        return self._state.get("parent_run_id")
+
     def counters(self) -> dict[str, int]:
         """Telemetry health: records dropped, metrics logged, dropped and still pending (as of
-        the last flush/close or delivery report), log_batch calls, and after `close()` the
-        metrics not delivered."""
+        the last flush/close or delivery report), log_batch calls, after `close()` the
+        metrics not delivered, and under a job the failed calls for its parent run."""
         out = {"records_dropped": self.dropped, "metrics_logged": self.metrics_logged,
                "metrics_dropped": self.metrics_dropped,
                "metrics_pending": self._state["metrics_pending"], "batch_calls": self.batch_calls}
         if self._undelivered is not None:
             out["metrics_undelivered"] = self._undelivered
+        if self._job:
+            out["job_errors"] = self._state.get("job_errors", 0)  # linking, accounting
         return out
 
     def wait_run_id(self, timeout: float = 10.0) -> str | None:
@@ -316,7 +334,26 @@ class MLflowLogger(BackgroundSink):
 
     # -- consumer side (background thread) ----------------------------------------------------
     def _on_start(self) -> None:
+        self._look_for_attempt()
         self._call("tick")  # starts the delivery side: it creates or finds the run right away
+
+    def _look_for_attempt(self) -> None:
+        """Tell the delivery side this process's attempt of a job once it exists (a module
+        global read: cheap). Rank 0 only: one logger per attempt links the run to its job."""
+        if self._job is not None or self.rank != 0:
+            return
+        try:
+            attempt = jobruns.current_attempt()
+            if attempt is None:
+                return
+            self._job = jobruns.attempt_info(attempt)
+        except Exception as exc:  # noqa: BLE001 - the run still logs, only not under its job
+            self._job = {}
+            log.warning("MLflowLogger: could not read this process's job attempt (%r); the run "
+                        "is not put under a job", exc)
+            return
+        if self._transport is not None:
+            self._call("send", [("a", self._job)])
 
     def _handle(self, items: list[Any]) -> None:
         fields = self.fields
@@ -334,16 +371,19 @@ class MLflowLogger(BackgroundSink):
         self._call("send", rows)
 
     def _idle(self) -> None:
+        self._look_for_attempt()
         if self._transport is not None:
             self._call("tick")
 
     def _at_flush(self) -> None:
+        self._look_for_attempt()  # flush() also waits for the run to be put under its job
         if self._transport is None:  # nothing was ever sent: nothing to flush
             self._flush_ok = True
         elif time.monotonic() < self._flush_deadline:
             self._flush_ok = self._call("flush", self._flush_deadline)
 
     def _on_stop(self) -> None:
+        self._look_for_attempt()
         self._call("close", self._close_deadline)
 
     def _call(self, method: str, *args: Any) -> bool:
@@ -377,7 +417,7 @@ class MLflowLogger(BackgroundSink):
             "suffix": self.suffix, "max_pending": self.max_queue * max(1, len(self.fields)),
             "probe_timeout": self.probe_timeout, "owns_run": self._owns_run,
             "create_run": self._create_run, "run_token": self._run_token,
-            "owner_tags": self._owner_tags, "sweep": self._sweep,
+            "owner_tags": self._owner_tags, "sweep": self._sweep, "job": self._job or None,
         }
 
     def _make_transport(self) -> ThreadTransport | ProcessTransport:

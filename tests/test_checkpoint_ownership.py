@@ -1,0 +1,70 @@
+"""A checkpoint root has one writer (I14, issue 25 item 1): a second job started while the
+first still writes the root is refused before it touches anything, on this host (by pid) and
+from another host (by the first one's heartbeat); a restart after a kill is not refused; a job
+of another name is refused even when the first has ended (tests/test_job_accounting.py).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from shardloader.checkpoint import Checkpointer
+from shardloader.errors import CheckpointError
+from tests.integration_runs import env, readline
+
+# A job that saves step 1 and then keeps training (waits) until told to stop. `host` makes it
+# record another host name, as a rank on another node would.
+RUNNING_JOB = """
+import socket, sys
+host = sys.argv[2]
+if host:
+    socket.gethostname = lambda: host
+from shardloader.checkpoint import Checkpointer
+ckpt = Checkpointer(sys.argv[1], keep=2)
+ckpt.save(1, state={"w": 1}).wait()
+print("ready", flush=True)
+sys.stdin.readline()
+"""
+
+
+def start_job(root, host: str = "") -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", RUNNING_JOB, str(root), host], env=env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert readline(proc, 120).strip() == "ready"
+    return proc
+
+
+def snapshot(root) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if ".job" not in p.parts)
+
+
+@pytest.mark.parametrize("host", ["", "node-b"], ids=["same-host", "other-host"])
+def test_a_second_job_is_refused_while_the_first_writes_and_a_restart_after_a_kill_is_not(tmp_path, host):
+    root = tmp_path / "ckpt"
+    first = start_job(root, host)
+    try:
+        before = snapshot(root)
+        with pytest.raises(CheckpointError, match=r"another job is writing this checkpoint root now: "
+                                                  r"attempt \S+ \(rank 0, host " + (host or r"\S+") + r", pid "
+                                                  + str(first.pid)):
+            Checkpointer(root)
+        assert snapshot(root) == before  # nothing written, nothing deleted
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+    with Checkpointer(root) as restarted:  # the first is dead: this is its next attempt
+        assert restarted.steps() == [1]
+        assert restarted.latest() == 1
+
+
+def test_a_job_that_ended_leaves_the_root_to_its_next_attempt(tmp_path):
+    root = tmp_path / "ckpt"
+    first = start_job(root)
+    first.communicate("stop\n", timeout=60)
+    assert first.returncode == 0
+    with Checkpointer(root) as again:
+        assert again.steps() == [1]
