@@ -12,8 +12,7 @@ Every read and write of the database goes through this class, with typed records
   high-water mark of committed plus reserved bytes, which proves the limit held.
 
 Writers that change sizes or reservations hold the bookkeeping lock (see `locks.py`); the
-database itself is safe for many processes (sqlite). Its write-ahead log is kept small
-(`LEDGER_WAL_PAGES`), and a write the filesystem refuses (read-only, full) is a CacheDiskError
+database itself is safe for many processes (sqlite). A write the filesystem refuses (read-only, full) is a CacheDiskError
 naming the cache, the record and the free space (see `space.py`).
 """
 
@@ -44,11 +43,9 @@ os.register_at_fork(before=lambda: _SQLITE_GUARD.acquire(),
                     after_in_child=_fresh_guard_in_child)
 
 
-#: sqlite's write-ahead log is checkpointed every this many pages (its default, 1000 pages,
-#: let the ledger of a small cache take 4 MiB of disk besides its shards), and truncated back to
-#: `LEDGER_WAL_BYTES` after a checkpoint; `space.DISK_MARGIN` leaves room for it.
-LEDGER_WAL_PAGES = 64
-LEDGER_WAL_BYTES = 256 << 10
+#: What sqlite's write-ahead log may take on disk (its default checkpointing at 1000 pages: about
+#: 4 MiB); `space.DISK_MARGIN` leaves room for it.
+LEDGER_WAL_BYTES = 4 << 20
 _DOING = {"set": "writing", "delete": "deleting", "incr": "updating", "pop": "removing",
           "get": "reading", "iterkeys": "listing", "close": "closing"}
 
