@@ -60,9 +60,7 @@ class _GuardedCache:
         self._directory, self._root = directory, root
         with _SQLITE_GUARD, disk_errors(root, f"opening its ledger in {directory}", path=directory):
             self._cache = diskcache.Cache(directory, eviction_policy="none", size_limit=2**62,
-                                          statistics=False, tag_index=False,
-                                          sqlite_wal_autocheckpoint=LEDGER_WAL_PAGES,
-                                          sqlite_journal_size_limit=LEDGER_WAL_BYTES)
+                                          statistics=False, tag_index=False)
 
     def __getattr__(self, name: str) -> Any:
         method = getattr(self._cache, name)
