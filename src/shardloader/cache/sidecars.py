@@ -186,14 +186,8 @@ def _read_fd(fd: int, limit: int) -> bytes:
 def _remove(cache: ShardCache, name: str, identity: tuple[int, int]) -> None:
     """Remove a damaged sidecar (caller holds its download lock), unless it was replaced."""
     path = cache.path_of(name)
-    with disk_errors(cache.root, f"removing the damaged sidecar {path}", path=path), cache.bookkeeping():
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return
-        if (st.st_ino, st.st_dev) == identity:
-            os.unlink(path)
-            cache.ledger.forget(name)
+    with disk_errors(cache.root, f"removing the damaged sidecar {path}", path=path):
+        cache.discard_locked(name, identity)
 
 
 def _reserve_now(cache: ShardCache, want: SidecarWant) -> bool:

@@ -310,8 +310,13 @@ class ShardCache:
 
     def discard(self, name: str, identity: tuple[int, int]) -> None:
         """Remove a damaged cached file, unless someone already replaced it."""
+        with exclusive(self.layout.lock_of(name)):
+            self.discard_locked(name, identity)
+
+    def discard_locked(self, name: str, identity: tuple[int, int]) -> None:
+        """`discard`, the caller holding the download lock of `name` (a sidecar's filler)."""
         path = self.path_of(name)
-        with exclusive(self.layout.lock_of(name)), self.bookkeeping():
+        with self.bookkeeping():
             try:
                 st = os.stat(path)
             except FileNotFoundError:
