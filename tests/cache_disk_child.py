@@ -140,12 +140,12 @@ def read_only_ledger(url: str, mnt: str, how: str) -> dict[str, Any]:
     return _epoch(_loader(url, cache, cache_limit="20MB"))
 
 
-def small_filesystem(url: str, mnt: str, filler: int) -> dict[str, Any]:
-    """The default cache_limit on an 8 MiB tmpfs (80% of its free space when the Dataset is
+def small_filesystem(url: str, mnt: str, filler: int, size: int = FS_BYTES) -> dict[str, Any]:
+    """The default cache_limit on a `size` tmpfs (80% of its free space when the Dataset is
     made); then `filler` bytes of other files written before the epoch starts."""
     from shardloader import Dataset, Loader
 
-    mount_tmpfs(mnt)
+    mount_tmpfs(mnt, size)
     cache = os.path.join(mnt, "cache")
     ds = Dataset(url, cache_dir=cache)
     if filler:
@@ -246,8 +246,8 @@ def main(scenario: str, dataset: str, mnt: str, how: str = "mount") -> None:
             report = read_only_ledger(server.url, mnt, how)
         elif scenario == "small-fs":
             report = small_filesystem(server.url, mnt, 0)
-        elif scenario == "small-fs-shared":
-            report = small_filesystem(server.url, mnt, 4 << 20)
+        elif scenario == "small-fs-shared":  # room for the ledger's 4 MiB write-ahead log
+            report = small_filesystem(server.url, mnt, 6 << 20, 16 << 20)
         elif scenario == "full-download":
             report = full_during_download(server.url, mnt)
         elif scenario == "no-room":

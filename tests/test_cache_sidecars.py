@@ -21,6 +21,7 @@ from shardloader import Dataset, Loader
 from shardloader.cache.layout import sidecar_name
 from shardloader.cache.maintenance import prune, usage, verify_all
 from shardloader.cache.store import ShardCache
+from shardloader.cli.main import main
 from shardloader.format.registry import shard_format
 from shardloader.ingest.writer import write_shards
 from tests.resume import take
@@ -217,7 +218,7 @@ def test_a_loader_with_two_workers_fetches_each_sidecar_once_per_node(tmp_path, 
     store.close()
 
 
-def test_sidecars_count_in_the_limit_and_make_room_for_shards(tmp_path, s3_server, s3_url):
+def test_sidecars_count_in_the_limit_and_make_room_for_shards(tmp_path, s3_server, s3_url, capsys):
     data = str(tmp_path / "ds")
     write_shards(make_samples(200), data, shard_samples=50)
     url = s3_url(data)
@@ -230,6 +231,8 @@ def test_sidecars_count_in_the_limit_and_make_room_for_shards(tmp_path, s3_serve
     names = {sidecar_name(info.extra["ranges"]["checksum"], "ranges"): info.extra["ranges"]["bytes"]
              for info in index.shards}
     total = sum(names.values())
+    assert main(["cache", "info", cache]) == 0
+    assert f"{cache}: 0 shards and 4 range sidecars, " in capsys.readouterr().out
     # A cache whose limit the sidecars fill but for one shard: downloading a shard evicts
     # sidecars (least recently used first) and the limit holds.
     biggest = max(info.bytes for info in index.shards)
@@ -247,4 +250,42 @@ def test_sidecars_count_in_the_limit_and_make_room_for_shards(tmp_path, s3_serve
     assert shard in left and sum(e.bytes for e in left.values()) <= biggest + total // 2
     assert set(left) - {shard} < set(names)  # sidecars made the room
     whole.close()
+    store.close()
+    assert main(["cache", "prune", cache, "--to", "0"]) == 0
+    assert f"evicted 1 shards and {len(left) - 1} range sidecars" in capsys.readouterr().out
+
+
+def test_a_sidecar_damaged_in_the_cache_is_discarded_and_fetched_again(tmp_path, s3_server, s3_url,
+                                                                       fault_proxy, caplog):
+    data = str(tmp_path / "ds")
+    write_shards(make_samples(100), data, shard_samples=50)
+    url = s3_url(data)
+    prefix = "/" + url[len("s3://"):] + "/"
+    proxy = fault_proxy(s3_server.endpoint)
+    options = s3_server.storage_options(proxy.url)
+    cache = str(tmp_path / "cache")
+    want = Dataset(data).get_many([1, 2])
+
+    def read():  # a fresh Dataset: nothing decoded in memory, what the node holds or the server
+        ds = Dataset(url, cache_dir=cache, cache_limit="1GB", storage_options=options)
+        ds.source.expect_prefetch()
+        rows = ds.get_many([1, 2])
+        ds.close()
+        return rows
+
+    assert read() == want
+    info = Dataset(data).index.shards[0]
+    store = ShardCache(cache, 1 << 30)
+    path = store.path_of(sidecar_name(info.extra["ranges"]["checksum"], "ranges"))
+    with open(path, "r+b") as f:  # damaged on the node's disk after it was verified
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert read() == want  # it does not verify against the index: discarded, fetched again
+    assert "failed verification" in caplog.text and path in caplog.text
+    assert _sidecar_gets(proxy, prefix) == Counter({info.extra["ranges"]["path"]: 2})
+    assert [status for p, status, _ in verify_all(store) if p == path] == ["ok"]
+    assert read() == want  # and the good copy is read from the node from then on
+    assert _sidecar_gets(proxy, prefix) == Counter({info.extra["ranges"]["path"]: 2})
     store.close()

@@ -28,8 +28,9 @@ from shardloader.errors import CacheDiskError
 from shardloader.units import format_size
 
 #: Bytes of the cache's filesystem that planning leaves free beyond shards and downloads in
-#: flight: the ledger (its sqlite file, whose write-ahead log `ledger.py` bounds to
-#: `LEDGER_WAL_BYTES`), lock files, offset sidecars of byte-range reads, directory blocks.
+#: flight, for what grows between two plannings: the ledger (its sqlite file and write-ahead
+#: log, up to `ledger.LEDGER_WAL_BYTES`; what they hold already is in the free space measured),
+#: lock files, directory blocks.
 DISK_MARGIN = 2 << 20
 
 _FULL_ERRNOS = frozenset(getattr(errno, n) for n in ("ENOSPC", "EDQUOT", "EFBIG") if hasattr(errno, n))
