@@ -3,7 +3,15 @@ node-wide counters and the high-water mark."""
 
 from __future__ import annotations
 
+import gc
+import os
+import sqlite3
+import threading
+
+import pytest
+
 from shardloader.cache.ledger import Ledger, LedgerEntry, Reservation
+from tests.proctree import answer_from_fork
 
 
 def test_records_round_trip_and_forget(tmp_path):
@@ -46,3 +54,81 @@ def test_redownloads_and_high_water_are_counted_for_the_node(tmp_path):
     assert first.high_water() == second.high_water() == 300
     first.close()
     second.close()
+
+
+def _ledger_descriptors(directory: str) -> int:
+    """How many of this process's descriptors are open on the ledger database in `directory`."""
+    database, count = os.path.realpath(os.path.join(directory, "cache.db")), 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == database
+        except OSError:
+            continue
+    return count
+
+
+def _drop_the_inherited_ledger(holder: dict, directory: str, conn) -> None:
+    before = _ledger_descriptors(directory)
+    holder.clear()  # what a worker does with the ledger it inherited: drops it, opens its own
+    gc.collect()
+    after = _ledger_descriptors(directory)
+    own = Ledger(directory)
+    own.count("downloads", 2)
+    conn.send((before, after, own.node_counters()["downloads"]))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
+def test_a_forked_child_never_closes_the_ledger_connections_it_inherited(tmp_path):
+    """sqlite's rule: a connection must not cross a fork, not even to be closed (a child's close
+    can checkpoint and delete the write-ahead log the others use). The parent holds two ledgers
+    when it forks, one used last from a thread that is still running (whose state the child
+    discards); the child drops both, and every inherited descriptor stays open."""
+    holder = {"ledger": Ledger(str(tmp_path)), "second": Ledger(str(tmp_path))}
+    holder["second"].count("downloads")
+    opened, stop = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        holder["ledger"].count("downloads")  # a call from another thread
+        opened.set()
+        stop.wait()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        assert opened.wait(30)
+        _, (before, after, downloads) = answer_from_fork(_drop_the_inherited_ledger, holder, str(tmp_path))
+    finally:
+        stop.set()
+        thread.join(30)
+    assert before >= 2, f"the child inherited {before} descriptors on the ledger, expected two ledgers'"
+    assert after == before, f"the child closed {before - after} inherited ledger descriptors"
+    assert downloads == 4
+    assert holder["ledger"].node_counters()["downloads"] == 4  # the parent's connections still work
+    assert holder["second"].node_counters()["downloads"] == 4
+    check = sqlite3.connect(str(tmp_path / "cache.db"))
+    try:
+        assert check.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    finally:
+        check.close()
+    holder["ledger"].close()
+    holder["second"].close()
+
+
+def test_one_ledger_is_shared_by_threads(tmp_path):
+    """A ledger has one connection per process, used by every thread in turn: concurrent
+    updates from four threads all count."""
+    ledger = Ledger(str(tmp_path))
+    start = threading.Barrier(4)
+
+    def count() -> None:
+        start.wait()
+        for _ in range(100):
+            ledger.count("evictions")
+
+    threads = [threading.Thread(target=count) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert ledger.node_counters()["evictions"] == 400
+    ledger.close()

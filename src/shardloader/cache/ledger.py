@@ -18,8 +18,11 @@ naming the cache, the record and the free space (see `space.py`).
 
 from __future__ import annotations
 
+import ctypes
 import os
+import sqlite3
 import threading
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,15 +35,29 @@ from shardloader.cache.space import disk_errors
 # database call holds this lock, and a fork waits for it (os.register_at_fork below).
 _SQLITE_GUARD = threading.RLock()
 
+# Nor may a connection cross a fork, not even to be closed: a child's copy of it believes it
+# holds the parent's locks, and closing it may checkpoint and delete the write-ahead log the
+# other processes use ("database disk image is malformed", seen with 4 workers). Python closes
+# a connection it frees, and a child frees what it inherited without asking (a ledger a worker
+# drops to open its own; a connection left in a reference cycle). So each ledger has one
+# connection per process, shared by its threads (every call holds the guard above; diskcache
+# would keep one per thread, and a thread's ends with it, whenever the collector gets to it),
+# and every open one is held here: a forked child keeps its inherited ones open for good (one
+# reference leaked on purpose, so that not even the interpreter's exit frees them).
+_OPEN: dict[int, sqlite3.Connection] = {}
 
-def _fresh_guard_in_child() -> None:
+
+def _in_child() -> None:
     global _SQLITE_GUARD
     _SQLITE_GUARD = threading.RLock()
+    for con in _OPEN.values():
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(con))  # never freed, so never closed
+    _OPEN.clear()
 
 
 os.register_at_fork(before=lambda: _SQLITE_GUARD.acquire(),
                     after_in_parent=lambda: _SQLITE_GUARD.release(),
-                    after_in_child=_fresh_guard_in_child)
+                    after_in_child=_in_child)
 
 
 #: What sqlite's write-ahead log may take on disk (its default checkpointing at 1000 pages: about
@@ -55,21 +72,48 @@ class _GuardedCache:
     filesystem (read-only, full) are CacheDiskErrors naming the cache and the record."""
 
     def __init__(self, directory: str, root: str) -> None:
-        import diskcache
 
         self._directory, self._root = directory, root
-        with _SQLITE_GUARD, disk_errors(root, f"opening its ledger in {directory}", path=directory):
-            self._cache = diskcache.Cache(directory, eviction_policy="none", size_limit=2**62,
-                                          statistics=False, tag_index=False)
+        self._open()
+
+    def _open(self) -> None:
+        import diskcache
+
+        self._pid = os.getpid()
+        with _SQLITE_GUARD, disk_errors(self._root, f"opening its ledger in {self._directory}",
+                                        path=self._directory):
+            cache = diskcache.Cache(self._directory, eviction_policy="none", size_limit=2**62,
+                                    statistics=False, tag_index=False)
+            cache.close()  # the connection diskcache made for this thread: replaced by one for all
+            shared = types.SimpleNamespace(pid=self._pid)
+            shared.con = sqlite3.connect(os.path.join(self._directory, diskcache.core.DBNAME),
+                                         timeout=cache._timeout, isolation_level=None,
+                                         check_same_thread=False)
+            _OPEN[id(shared.con)] = shared.con
+            cache._local = shared  # what diskcache looks its connection up in (a threading.local)
+            for key, value in shared.con.execute("SELECT key, value FROM Settings").fetchall():
+                if key.startswith("sqlite_"):  # per-connection pragmas, as diskcache sets them
+                    cache.reset(key, value, update=False)
+            self._cache = cache
 
     def __getattr__(self, name: str) -> Any:
-        method = getattr(self._cache, name)
-
         def guarded(*args: Any, **kwargs: Any) -> Any:
             record = f" record {args[0]!r}" if args and isinstance(args[0], str) else "s"
             doing = f"{_DOING.get(name, name)} the ledger{record} in {self._directory}"
             with _SQLITE_GUARD, disk_errors(self._root, doing, path=self._directory):
-                result = method(*args, **kwargs)
+                if self._pid != os.getpid():
+                    # Inherited across a fork: diskcache would close the parent's connection
+                    # here. Leave it (held open, above) and open this process's own.
+                    if name == "close":
+                        return None
+                    self._open()
+                elif name != "close" and getattr(self._cache._local, "con", None) is None:
+                    self._open()  # closed earlier: diskcache would open one for this thread only
+                if name == "close":
+                    con = getattr(self._cache._local, "con", None)
+                    if con is not None:
+                        _OPEN.pop(id(con), None)
+                result = getattr(self._cache, name)(*args, **kwargs)
                 return list(result) if name == "iterkeys" else result
 
         return guarded

@@ -91,21 +91,6 @@ def load_sidecars(cache: ShardCache, wants: Sequence[SidecarWant], fetch: FetchR
     return [filled.get(want.name) if data is None else data for want, data in zip(wants, out)]
 
 
-def close_thread_connection(cache: ShardCache) -> None:
-    """Close this thread's connection to the cache's ledger (it reopens on the next use).
-
-    For work done just before the process forks (a Loader's priming of its first batch, in the
-    training process): a child that inherits an open sqlite database believes it holds the
-    parent's locks on it without holding them, so a close by the parent (or the garbage
-    collection of a connection left in a reference cycle, in either process) can checkpoint and
-    delete the write-ahead log under the child's feet: "database disk image is malformed" (seen
-    with a connection the priming thread had left behind). Never raises."""
-    try:
-        cache.close_thread_connection()
-    except Exception:  # noqa: BLE001 - best effort: the connection is closed at exit anyway
-        log.debug("cache %s: could not close this thread's ledger connection", cache.root, exc_info=True)
-
-
 def _fill(cache: ShardCache, wants: list[SidecarWant], fetch: FetchRound) -> dict[str, bytes]:
     """Fetch and commit `wants` (sorted by name) under their download locks; what was had."""
     found: dict[str, bytes] = {}
@@ -237,5 +222,5 @@ def _commit(cache: ShardCache, want: SidecarWant, data: bytes) -> None:
         fsync_dir(os.path.dirname(path))
 
 
-__all__ = ["FetchRound", "SidecarWant", "cached_sidecar", "close_thread_connection", "load_sidecars",
+__all__ = ["FetchRound", "SidecarWant", "cached_sidecar", "load_sidecars",
            "matches"]

@@ -134,12 +134,6 @@ class ShardCache:
             self._ledger = ledger
         return self._ledger
 
-    def close_thread_connection(self) -> None:
-        """Close this thread's connection to the ledger, if it has one; the next use reopens it.
-        For a thread of a process that forks afterwards (see `sidecars.close_thread_connection`)."""
-        if self._ledger is not None and self._pid == os.getpid():
-            self._ledger.close()
-
     def path_of(self, name: str) -> str:
         return self.layout.path_of(name)
 

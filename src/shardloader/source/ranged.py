@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from shardloader.cache.layout import sidecar_name
-from shardloader.cache.sidecars import SidecarWant, close_thread_connection, load_sidecars, matches
+from shardloader.cache.sidecars import SidecarWant, load_sidecars, matches
 from shardloader.cache.store import ShardCache
 from shardloader.errors import ChecksumMismatch, ShardloaderError, UnsafePathError
 from shardloader.format.arrays import sorted_unique
@@ -214,8 +214,6 @@ class RangeReads:
         except Exception:  # noqa: BLE001 - an optimisation: the reads fetch what they need
             log.debug("priming reads by range failed", exc_info=True)
             return 0
-        finally:  # workers fork next: no sqlite connection of this thread may be open then
-            self._close_ledger_connection()
 
     def _gap(self, table: RangeTable) -> int:
         """How far apart spans of this shard may lie and still share a request: `gap`, but at
@@ -335,17 +333,6 @@ class RangeReads:
             self._states(infos)
         except Exception:  # noqa: BLE001 - an optimisation: readers fetch what they need
             log.debug("warming range sidecars failed", exc_info=True)
-        finally:  # the thread ends: its sqlite connection must not linger into a later fork
-            self._close_ledger_connection()
-
-    def _close_ledger_connection(self) -> None:
-        """Close this thread's connection to the node cache's ledger (see
-        `shardloader.cache.sidecars.close_thread_connection`)."""
-        try:
-            cache = self._cache()
-        except Exception:  # noqa: BLE001 - no cache handle: nothing was opened
-            return
-        close_thread_connection(cache)
 
     def _decode(self, info: ShardInfo, blobs: dict[str, bytes]) -> _ShardState | None:
         fmt = shard_format(info.format)
