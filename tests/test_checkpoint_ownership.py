@@ -54,11 +54,15 @@ def test_a_second_job_is_refused_while_the_first_writes_and_a_restart_after_a_ki
             Checkpointer(root)
         assert snapshot(root) == before  # nothing written, nothing deleted
     finally:
+        # Restarted at once, as `kill -9 $pid; python train.py` does: the killed process may
+        # still be exiting when the restart looks.
         first.send_signal(signal.SIGKILL)
+    try:
+        with Checkpointer(root) as restarted:  # the first is dead: this is its next attempt
+            assert restarted.steps() == [1]
+            assert restarted.latest() == 1
+    finally:
         first.wait(30)
-    with Checkpointer(root) as restarted:  # the first is dead: this is its next attempt
-        assert restarted.steps() == [1]
-        assert restarted.latest() == 1
 
 
 def test_a_job_that_ended_leaves_the_root_to_its_next_attempt(tmp_path):

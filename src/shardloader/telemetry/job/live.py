@@ -5,7 +5,10 @@ checkpoints (retention) and load each other's states. Before a Checkpointer touc
 `running_elsewhere(job_dir)` looks at the newest attempts' records: an attempt that has not
 ended and whose heartbeat is recent is asked whether it is alive —
 
-- on this host, by its pid and that pid's start time (a reused pid is not it);
+- on this host, by its pid and that pid's start time (a reused pid is not it). A process
+  killed a moment ago may still be exiting (freeing its memory takes a while under load): a
+  `kill -9` followed at once by the restart is the common case, so a live pid is given
+  `EXIT_GRACE_SECONDS` to exit before it counts as a writer;
 - on another host, by watching its heartbeat for a few heartbeat periods: a killed attempt's
   heartbeat stands still, a live one's moves.
 
@@ -16,6 +19,7 @@ started while the first still runs is.
 from __future__ import annotations
 
 import os
+import select
 import socket
 import time
 from dataclasses import dataclass
@@ -30,6 +34,8 @@ from shardloader.telemetry.job.recorder import HEARTBEAT_SECONDS
 STALE_SECONDS = 5 * HEARTBEAT_SECONDS
 #: How long a heartbeat from another host is watched for a move.
 WATCH_SECONDS = 2.5 * HEARTBEAT_SECONDS
+#: How long a live writer on this host is given to finish exiting (a killed one does).
+EXIT_GRACE_SECONDS = 3.0
 #: How many of the newest attempts are looked at.
 NEWEST_ATTEMPTS = 4
 _MAX_RECORD_BYTES = 64 * 1024 * 1024
@@ -109,14 +115,39 @@ def _alive_here(pid: int, launched: float) -> bool:
     return started is not None and abs(started - launched) < 1.0
 
 
+def _still_alive_after(pid: int, launched: float, grace: float) -> bool:
+    """Whether process `pid` (started at `launched`) is alive `grace` seconds from now: waits
+    on its pidfd, which becomes readable when it exits (polls /proc where there is none)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except (AttributeError, OSError):  # no pidfd here (old kernel, not Linux): poll /proc
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if not _alive_here(pid, launched):
+                return False
+            time.sleep(0.05)
+        return _alive_here(pid, launched)
+    try:
+        if not _alive_here(pid, launched):  # the pid was reused before the pidfd was taken
+            return False
+        readable, _, _ = select.select([pidfd], [], [], grace)
+        return not readable and _alive_here(pid, launched)
+    finally:
+        os.close(pidfd)
+
+
 def running_elsewhere(job_dir: str) -> Writer | None:
     """An attempt other than this process that is writing the job of `job_dir` now, or None.
-    May watch another host's heartbeat for up to `WATCH_SECONDS`."""
+    May wait up to `EXIT_GRACE_SECONDS` for a live pid here to exit, and watch another host's
+    heartbeat for up to `WATCH_SECONDS`."""
     here = socket.gethostname()
     remote = []
     for writer, counters_path, heartbeat, launched in _candidates(job_dir, time.time()):
         if writer.host == here:
-            if _alive_here(writer.pid, launched):
+            if _alive_here(writer.pid, launched) and \
+                    _still_alive_after(writer.pid, launched, EXIT_GRACE_SECONDS):
                 return writer
         else:
             remote.append((writer, counters_path, heartbeat))
