@@ -283,7 +283,9 @@ def test_a_sidecar_damaged_in_the_cache_is_discarded_and_fetched_again(tmp_path,
         f.seek(100)
         f.write(bytes([byte[0] ^ 0xFF]))
     assert read() == want  # it does not verify against the index: discarded, fetched again
-    assert "failed verification" in caplog.text and path in caplog.text
+    assert path in caplog.text
+    assert "failed verification: checksum " in caplog.text  # same size: the checksum says why
+    assert f"the index says {info.extra['ranges']['checksum']}" in caplog.text
     assert _sidecar_gets(proxy, prefix) == Counter({info.extra["ranges"]["path"]: 2})
     assert [status for p, status, _ in verify_all(store) if p == path] == ["ok"]
     assert read() == want  # and the good copy is read from the node from then on

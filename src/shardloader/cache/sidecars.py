@@ -148,8 +148,13 @@ def _read(cache: ShardCache, want: SidecarWant, *, locked: bool) -> bytes | None
         except Exception:  # noqa: BLE001 - advisory (LRU order), never fails a read
             log.debug("cache %s: could not record an access to %s", cache.root, want.name, exc_info=True)
         return data
-    log.warning("%s: cached sidecar %s (inode %d) failed verification: %d bytes, index says %d; "
-                "discarding it and fetching again", want.what, path, st.st_ino, st.st_size, want.bytes)
+    if len(data) != want.bytes:
+        why = f"{st.st_size} bytes, the index says {want.bytes}"
+    else:
+        algorithm = parse_checksum(want.checksum)[0]
+        why = f"checksum {checksum_bytes(data, algorithm)}, the index says {want.checksum}"
+    log.warning("%s: cached sidecar %s (inode %d) failed verification: %s; discarding it and "
+                "fetching again", want.what, path, st.st_ino, why)
     if locked:
         _remove(cache, want.name, (st.st_ino, st.st_dev))
     else:
