@@ -39,6 +39,8 @@ $(BENCH_STAMP): pyproject.toml constraints.txt
 	else \
 		echo "FFCV not installed: needs apt libturbojpeg0-dev libopencv-dev pkg-config"; \
 	fi
+	@ldconfig -p 2>/dev/null | grep -q 'libavfilter\.so' \
+		|| echo "SPDL installed, but its decoder needs FFmpeg's shared libraries: apt libavfilter8 libavformat59 libavdevice59 (its columns say n/a without them)"
 	touch $(BENCH_STAMP)
 
 bench-setup: $(BENCH_STAMP)

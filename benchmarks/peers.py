@@ -10,7 +10,9 @@ Same JPEGs (`benchmarks/_images.py`), same work per sample (shardloader's `Decod
 * webdataset `WebLoader` over tar shards (deterministic shard shuffle and a seeded buffer),
 * mosaicml-streaming `StreamingDataset` + `StreamingDataLoader` (MDS shards),
 * litdata `StreamingDataset` + `StreamingDataLoader` (litdata's chunks),
-* FFCV, where installed (its .beton file; RandomResizedCrop + flip in its own pipeline).
+* FFCV, where installed (its .beton file; RandomResizedCrop + flip in its own pipeline),
+* SPDL, where installed (`spdl_peer`: its thread pipeline over the image files, decoding with
+  its own FFmpeg-based decoder; in this process, or in a subprocess as its docs describe).
 
 Optional peers that are not installed print "not installed" rows; they live in a separate venv
 (they pin versions the main one must not take), which `make bench-setup` builds (FFCV too where
@@ -82,6 +84,13 @@ WORKS = {
     "fast": f"DecodeCropFlip({SIZE}) (simplejpeg + cv2, antialiased: shardloader's fast path)",
     "pil": "PIL decode + RandomResizedCrop + flip, torchvision-style (what peers' users write)",
 }
+#: Works of the sample-dict loaders only (shardloader's Loader, and for "own" the DataLoader):
+#: the README's transform, and the same two transforms inside a user's own function.
+DICT_WORKS = {
+    "readme": f"Compose([DecodeCropFlip({SIZE}), ToTensor()]) (the README's transform)",
+    "own": f"the same DecodeCropFlip({SIZE}) + ToTensor() inside the user's own function, "
+           "returning {'img': t, 'label': l}",
+}
 
 
 def loader_transform(work: str) -> Any:
@@ -90,9 +99,33 @@ def loader_transform(work: str) -> Any:
         from benchmarks.throughput import pil_sample_transform
 
         return pil_sample_transform
-    from shardloader.transforms import DecodeCropFlip
+    if work == "own":
+        return own_transform
+    from shardloader.transforms import Compose, DecodeCropFlip, ToTensor
 
+    if work == "readme":
+        return Compose([DecodeCropFlip(SIZE), ToTensor()])
     return DecodeCropFlip(SIZE)
+
+
+_OWN: tuple[Any, Any] | None = None  # (DecodeCropFlip(SIZE), ToTensor()), built on first use
+
+
+def own_transform(sample: dict[str, Any], generator: Any = None) -> dict[str, Any]:
+    """What a user writes around the built-in transforms: the README's two transforms applied
+    by hand to `sample["image"]`, returning only `{"img": CHW uint8 tensor, "label": ...}`.
+
+    It asks for `generator` by name and hands it to `DecodeCropFlip`, as `Compose` does, so its
+    pixels are those of the README transform for the same (seed, epoch, sample) key. A plain
+    function, so the Loader treats it as any user code (it may draw from the global RNGs)."""
+    global _OWN
+    if _OWN is None:
+        from shardloader.transforms import DecodeCropFlip, ToTensor
+
+        _OWN = (DecodeCropFlip(SIZE), ToTensor())
+    crop, tensor = _OWN
+    image = tensor(crop(sample, generator=generator))["image"]
+    return {"img": image, "label": sample["label"]}
 
 
 class Augment:
@@ -196,18 +229,25 @@ def shardloader_peer(images: ImageSet, work: str = "fast", remote: Remote | None
 
 
 class FileDataset(torch.utils.data.Dataset):
-    """Map-style dataset over image files: (image, id)."""
+    """Map-style dataset over image files: (image, id); with work "own", the user's function's
+    dict `{"img", "label"}` plus the id as `__index__` (as shardloader's batches carry it)."""
 
     def __init__(self, images: ImageSet, work: str = "fast") -> None:
         self.items = images.file_items()
-        self.t = Augment(work)
+        self.own = work == "own"
+        self.t = None if self.own else Augment(work)
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
-        with open(self.items[i][0], "rb") as f:
-            return torch.from_numpy(self.t(f.read())), i
+    def __getitem__(self, i: int) -> Any:
+        path, label = self.items[i]
+        with open(path, "rb") as f:
+            data = f.read()
+        if self.own:
+            return {**own_transform({"image": data, "label": label}), "__index__": i}
+        assert self.t is not None
+        return torch.from_numpy(self.t(data)), i
 
 
 def _shutdown(handle: Any) -> None:
@@ -223,7 +263,8 @@ def dataloader_peer(images: ImageSet, work: str = "fast") -> Peer:
             FileDataset(images, work), batch_size=BATCH, shuffle=True, num_workers=WORKERS,
             generator=torch.Generator().manual_seed(SEED), persistent_workers=True)
 
-    return Peer("torch DataLoader", "files", make, lambda b: b[1].tolist(),
+    ids = (lambda b: b["__index__"].tolist()) if work == "own" else (lambda b: b[1].tolist())
+    return Peer("torch DataLoader", "files", make, ids,
                 lambda h, k: k, lambda k: _Replay(make(), k),
                 lambda h: _shutdown(h.handle if isinstance(h, _Replay) else h), False,
                 "no resumable state: resume replays the consumed batches")
@@ -376,6 +417,128 @@ def ffcv_peer(images: ImageSet) -> Peer:
                 "no resumable state: resume replays the consumed batches")
 
 
+def import_spdl() -> Any:
+    """`spdl.io` with its native library loaded: the import alone succeeds without FFmpeg, whose
+    shared libraries (libavutil & co., 4.x-8.x; apt: libavfilter8 libavformat59 libavdevice59
+    on Debian 12) the first decode then fails to find. One tiny JPEG is demuxed and decoded to
+    find out here, with the reason in the error."""
+    import simplejpeg
+    import spdl.io
+    import spdl.pipeline  # noqa: F401
+
+    tiny = simplejpeg.encode_jpeg(np.zeros((8, 8, 3), np.uint8))
+    spdl.io.decode_packets(spdl.io.demux_image(tiny), filter_desc=_SPDL_RGB)
+    return spdl.io
+
+
+# SPDL's image pipeline (its docs' `spdl.dataloader.DataLoader` example and its ImageNet
+# example): a source of file paths, a per-image stage that demuxes and decodes with an FFmpeg
+# filter graph (here: crop, scale to SIZE, flip, RGB), run concurrently on the pipeline's
+# threads (FFmpeg releases the GIL), then `aggregate` into batches of BATCH and
+# `convert_frames` merging the frames into one NHWC uint8 buffer. Its filters take a crop box,
+# not a random crop: the box and the flip are drawn as RandomResizedCrop(SIZE) + flip draw them
+# (`sample_crop_box_and_flip`, from a generator keyed per sample and epoch), for the image size
+# the demuxer reports. Bicubic scaling (its filters' default) where the others do an
+# antialiased area resize.
+
+_SPDL_RGB = "format=pix_fmts=rgb24"
+
+
+class SpdlSource:
+    """The pipeline's source: (path, label, id, crop seed) of every image, in an order shuffled
+    per epoch (seeded); each `iter()` is the next epoch, so one object serves every epoch, in
+    this process or in SPDL's subprocess (it is pickled there)."""
+
+    def __init__(self, items: list[tuple[str, int]], seed: int) -> None:
+        self.items, self.seed, self.epoch = items, seed, 0
+
+    def __iter__(self) -> Iterator[tuple[str, int, int, int]]:
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        order = np.random.default_rng((self.seed, epoch)).permutation(len(self.items))
+        base = (self.seed * 1_000_003 + epoch) * (len(self.items) + 1)
+        for i in order.tolist():
+            path, label = self.items[i]
+            yield path, label, i, base + i
+
+
+def spdl_decode(item: tuple[str, int, int, int]) -> tuple[Any, int, int]:
+    """One image: demux, draw its crop box and flip, decode through that filter graph."""
+    import spdl.io
+
+    from shardloader.transforms.geometry import sample_crop_box_and_flip
+
+    path, label, index, key = item
+    packets = spdl.io.demux_image(path)
+    generator = torch.Generator().manual_seed(key)
+    (top, left, height, width), flip = sample_crop_box_and_flip(
+        packets.height, packets.width, (0.08, 1.0), (3 / 4, 4 / 3), 0.5, generator)
+    graph = (f"crop={width}:{height}:{left}:{top},scale={SIZE}:{SIZE}:flags=bicubic"
+             + (",hflip" if flip else "") + "," + _SPDL_RGB)
+    return spdl.io.decode_packets(packets, filter_desc=graph), label, index
+
+
+def spdl_batch(items: list[tuple[Any, int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A batch: the frames merged into one (N, SIZE, SIZE, 3) uint8 tensor, labels, ids."""
+    import spdl.io
+
+    images = spdl.io.to_torch(spdl.io.convert_frames([frames for frames, _, _ in items]))
+    return (images, torch.tensor([label for _, label, _ in items]),
+            torch.tensor([index for _, _, index in items]))
+
+
+def spdl_config(images: ImageSet, threads: int = WORKERS) -> Any:
+    """The pipeline's definition (a PipelineConfig: picklable, built per epoch)."""
+    from spdl.pipeline import PipelineBuilder
+
+    return (PipelineBuilder()
+            .add_source(SpdlSource(images.file_items(), SEED))
+            .pipe(spdl_decode, concurrency=threads)
+            .aggregate(BATCH)
+            .pipe(spdl_batch)
+            .add_sink(3)
+            .get_config())
+
+
+class SpdlThreads:
+    """SPDL in the training process: each `iter()` builds the pipeline from the config (its
+    threads start) and runs one epoch, stopping the pipeline at its end or when abandoned."""
+
+    def __init__(self, config: Any, threads: int) -> None:
+        self.config, self.threads = config, threads
+
+    def __iter__(self) -> Iterator[Any]:
+        from spdl.pipeline import build_pipeline
+
+        pipeline = build_pipeline(self.config, num_threads=self.threads)
+        with pipeline.auto_stop():
+            yield from pipeline.get_iterator()
+
+
+def spdl_peer(images: ImageSet, subprocess: bool = False) -> Peer:
+    """SPDL with WORKERS decode threads; `subprocess`: the pipeline runs in one subprocess
+    (`run_pipeline_in_subprocess`, created once and iterated once per epoch, batches coming
+    back through its queue), else on threads of this process."""
+    import_spdl()
+    from spdl.pipeline import run_pipeline_in_subprocess
+
+    def make() -> Any:
+        config = spdl_config(images)
+        if subprocess:
+            return run_pipeline_in_subprocess(config, num_threads=WORKERS)
+        return SpdlThreads(config, WORKERS)
+
+    def close(handle: Any) -> None:
+        handle = handle.handle if isinstance(handle, _Replay) else handle
+        shutdown = getattr(handle, "_shutdown", None)  # the subprocess's: stop it now
+        if shutdown is not None:
+            shutdown()
+        gc.collect()
+
+    return Peer("SPDL subprocess" if subprocess else "SPDL", "files", make,
+                lambda b: b[2].tolist(), lambda h, k: k, lambda k: _Replay(make(), k), close,
+                False, "no resumable state: resume replays the consumed batches")
+
+
 PEERS: list[tuple[str, Callable[[ImageSet], Peer], str]] = [
     ("shardloader Loader", shardloader_peer, "shardloader"),
     ("torch DataLoader", dataloader_peer, "torch"),
@@ -384,6 +547,8 @@ PEERS: list[tuple[str, Callable[[ImageSet], Peer], str]] = [
     ("mosaicml-streaming", mosaic_peer, "streaming"),
     ("litdata", litdata_peer, "litdata"),
     ("FFCV", ffcv_peer, "ffcv"),
+    ("SPDL", spdl_peer, "spdl"),
+    ("SPDL subprocess", lambda images: spdl_peer(images, subprocess=True), "spdl"),
 ]
 
 

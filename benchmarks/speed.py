@@ -1,18 +1,26 @@
-"""Issue 14's table in one run: shardloader beside FFCV, torch DataLoader, litdata (and
+"""Issue 14's table in one run: shardloader beside FFCV, torch DataLoader, litdata, SPDL (and
 mosaicml-streaming for the cold start), with the fast stack's limit measured in the same run.
 
 Same JPEGs for all (`benchmarks/_images.py`: 20k, 128-256 px), decode + RandomResizedCrop(112)
 + horizontal flip, batch 64, 2 workers; the loaders are the adapters of `benchmarks/peers.py`.
 shardloader, DataLoader and litdata do the work with shardloader's `DecodeCropFlip(112)` (the
 fast path: simplejpeg + cv2, antialiased); FFCV with its own JPEG decoder and
-RandomResizedCrop. The parity row gives the three the same PIL per-sample work instead.
+RandomResizedCrop; SPDL with its own pipeline (`peers.spdl_peer`: FFmpeg decode through a
+crop + scale + flip filter graph per image on its threads, `convert_frames` into the batch), on
+threads of the training process ("SPDL") and in the one subprocess of its
+`run_pipeline_in_subprocess` ("SPDL subprocess"). The parity row gives shardloader, DataLoader
+and litdata the same PIL per-sample work instead. The own-function rows give shardloader (and
+DataLoader, for comparison) the README's `Compose([DecodeCropFlip(112), ToTensor()])` inside a
+user's function that returns `{"img": t, "label": l}` (`peers.own_transform`: the same pixels),
+beside the README transform itself; their ratio is the issue's goal (>= 0.95).
 
 Figures and how each is measured (all in this one run):
 
 * samples/s: every loader built once (persistent workers), one first epoch, then `--rounds`
   epochs each, the loaders taking turns epoch by epoch so that load from other processes hits
   them alike; samples/s after each epoch's first 5 batches; median over rounds. Ratios are
-  medians of per-round ratios.
+  medians of per-round ratios (own function / README path: shardloader's two epochs of the
+  same round).
 * the fast stack's limit: `DecodeCropFlip(112)` (with and without antialias) alone in a plain
   loop on one thread of this process, samples per CPU second x cores; the antialiased one (the
   work the loaders do) just before each epoch of each loader, the others once per round;
@@ -39,11 +47,16 @@ Figures and how each is measured (all in this one run):
   an empty local cache, from construction to the first batch.
 
     .venv-bench/bin/python -m benchmarks.speed            # the full table, ~10 min on 2 cores
+                                                          # before SPDL (its columns decode at
+                                                          # ~1/4 of the others' rate: more)
     .venv-bench/bin/python -m benchmarks.speed --quick    # smoke run, 2k images, ~2.5 min
-                                                          # (FFCV compiling its JIT: ~35 s)
+                                                          # (FFCV compiling its JIT: ~35 s;
+                                                          # with SPDL, on a loaded machine: 5.3)
 
 Peers that are not installed give "n/a" cells with the reason under the table; `make bench`
-builds .venv-bench with them (FFCV only where its system libraries are present).
+builds .venv-bench with them (FFCV only where its system libraries are present; SPDL's decoder
+needs FFmpeg's shared libraries: on Debian 12 `apt-get install libavfilter8 libavformat59
+libavdevice59`).
 """
 
 from __future__ import annotations
@@ -70,7 +83,10 @@ from benchmarks._measure import PeakMemory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = "shardloader"
-COLUMNS = [OURS, "FFCV", "torch DataLoader", "litdata", "mosaicml-streaming"]
+COLUMNS = [OURS, "FFCV", "torch DataLoader", "litdata", "mosaicml-streaming", "SPDL",
+           "SPDL subprocess"]
+#: The works the in-process rounds run, in this order (see `peers.WORKS`, `peers.DICT_WORKS`).
+WORKS = ("fast", "pil", "readme", "own")
 MB = 1e6
 
 
@@ -87,21 +103,43 @@ class Contender:
 
 
 CONTENDERS = {
-    OURS: Contender(OURS, peers.shardloader_peer, "shardloader", ("fast", "pil"), True),
+    OURS: Contender(OURS, peers.shardloader_peer, "shardloader", ("fast", "pil", "readme", "own"),
+                    True),
     "FFCV": Contender("FFCV", lambda images, work="fast", remote=None: peers.ffcv_peer(images),
                       "ffcv", ("fast",), False),
     "torch DataLoader": Contender("torch DataLoader", peers.dataloader_peer, "torch",
-                                  ("fast", "pil"), False),
+                                  ("fast", "pil", "own"), False),
     "litdata": Contender("litdata", peers.litdata_peer, "litdata", ("fast", "pil"), True),
     "mosaicml-streaming": Contender("mosaicml-streaming", peers.mosaic_peer, "streaming", (),
                                     True),
+    "SPDL": Contender("SPDL", lambda images, work="fast", remote=None: peers.spdl_peer(images),
+                      "spdl", ("fast",), False),
+    "SPDL subprocess": Contender(
+        "SPDL subprocess", lambda images, work="fast", remote=None: peers.spdl_peer(
+            images, subprocess=True), "spdl", ("fast",), False),
+}
+
+
+#: Figures a column cannot have, and why (an n/a cell with the reason, not a bare "-").
+NOT_APPLICABLE = {
+    (spdl, what): reason
+    for spdl in ("SPDL", "SPDL subprocess")
+    for what, reason in (
+        ("cold", "no S3 reader: SPDL's pipelines read local files (fetching is the user's code)"),
+        ("pil", "its own FFmpeg decoder only (the PIL work is a per-sample Python function)"),
+    )
 }
 
 
 def missing(module: str) -> str | None:
     """None when `module` imports, else why not (for an n/a cell)."""
     try:
-        peers.import_streaming() if module == "streaming" else __import__(module)
+        if module == "streaming":
+            peers.import_streaming()
+        elif module == "spdl":
+            peers.import_spdl()  # loads its FFmpeg libraries too
+        else:
+            __import__(module)
     except Exception as e:  # noqa: BLE001 - ImportError, or a broken build's RuntimeError
         return f"not installed here ({type(e).__name__}: {e})"[:160]
     return None
@@ -241,7 +279,7 @@ def in_process(images: ImageSet, columns: list[str], rounds: int, stall_batches:
             return False, None
 
     live: list[Live] = []
-    for work in ("fast", "pil"):
+    for work in WORKS:
         for column in columns:
             c = CONTENDERS[column]
             if work not in c.works or (column, work) in why:
@@ -292,7 +330,7 @@ def in_process(images: ImageSet, columns: list[str], rounds: int, stall_batches:
         tests = []
         for x in live:
             key = (x.column, "stall" if x.work == "fast" else "stall-pil")
-            if key in why:
+            if key in why or x.work not in ("fast", "pil"):
                 continue
             ok, test = attempt(key, lambda x=x: peers.StallTest(x.peer, x.result, images.n,
                                                                  stall_batches))
@@ -458,7 +496,7 @@ def run(n: int, rounds: int, repeats: int, stall_batches: int, limit_samples: in
     for c in columns:
         reason = missing(CONTENDERS[c].module)
         if reason:
-            for what in ("fast", "pil", "isolated", "cold"):
+            for what in (*WORKS, "isolated", "cold"):
                 why[c, what] = reason
     images = prepare_images(n, log=log)
     loads = [load_average()]
@@ -501,6 +539,8 @@ def figures(results: dict[str, Any]) -> list[Figure]:
         f = Figure(name, fmt, higher, **kw)
         for c in columns:
             if not applies(c):
+                if (c, what) in NOT_APPLICABLE:
+                    f.why[c] = NOT_APPLICABLE[c, what]
                 continue
             v = value(c)
             if v is not None:
@@ -521,7 +561,8 @@ def figures(results: dict[str, Any]) -> list[Figure]:
 
     fast = lambda c: "fast" in CONTENDERS[c].works  # noqa: E731
     lim_aa = ip["limits"]["antialias"]
-    speed = row("samples/s, fast path (ours: DecodeCropFlip(112); FFCV: its decoder + RRC)",
+    speed = row("samples/s, fast path (ours: DecodeCropFlip(112); FFCV: its decoder + RRC; "
+                "SPDL: FFmpeg crop + scale + flip)",
                 "{:,.0f}", True, "fast", lambda c: _median(rates(c)), fast,
                 goal="≥ 1.2× FFCV", check=lambda o, p: o >= 1.2 * p["FFCV"],
                 ratio=best_ratio("fast"),
@@ -583,7 +624,50 @@ def figures(results: dict[str, Any]) -> list[Figure]:
                  lambda c: _median(rates(c, "pil")), lambda c: "pil" in CONTENDERS[c].works,
                  goal="≥ 0.95× best peer", check=lambda o, p: o >= 0.95 * max(p.values()),
                  ratio=best_ratio("pil"), ratio_check=lambda r, p: r >= 0.95)
-    return [speed, cpu, frac, eff, *lim, stall, ttfb, cold_row, rss, pss, parity]
+    return [speed, cpu, frac, eff, *lim, stall, ttfb, cold_row, rss, pss, parity,
+            *own_function_rows(rates, row, best_ratio, ip.get("epoch_cpu"))]
+
+
+def own_function_rows(rates: Callable[..., list[float]], row: Callable[..., Figure],
+                      best_ratio: Callable[[str], float | None],
+                      epoch_cpu: dict[str, list[float]] | None = None) -> list[Figure]:
+    """The README transform's samples/s, the same transforms inside the user's own function
+    (`peers.own_transform`), and the issue's goal on their ratio: per round, shardloader's
+    own-function epoch over its README epoch of the same round, median (DataLoader's column:
+    its own-function epoch over its fast-path epoch, the same work without the dict). Then the
+    same ratio from the process tree's CPU per sample of those epochs (README's / own's), which
+    load from other processes hardly moves: the rate ratio an idle machine would give."""
+    def per_round(c: str, work: str, base: str) -> float | None:
+        return _paired_ratio(rates(c, work), rates(c, base))
+
+    def cpu_ratio(c: str, work: str, base: str) -> float | None:
+        cpu = epoch_cpu or {}
+        return _paired_ratio(cpu.get(f"{c}|{base}", []), cpu.get(f"{c}|{work}", []))
+
+    readme = row(f"samples/s, README transform Compose([DecodeCropFlip({peers.SIZE}), "
+                 "ToTensor()])", "{:,.0f}", None, "readme", lambda c: _median(rates(c, "readme")),
+                 lambda c: "readme" in CONTENDERS[c].works)
+    ratio_ours = per_round(OURS, "own", "readme")
+    own = row("samples/s, the same built-in transforms inside the user's own function "
+              '(returns {"img": t, "label": l})', "{:,.0f}", True, "own",
+              lambda c: _median(rates(c, "own")), lambda c: "own" in CONTENDERS[c].works,
+              goal="≥ 0.95 of the README path",
+              check=lambda o, p: ratio_ours is not None and ratio_ours >= 0.95,
+              ratio=best_ratio("own"))
+    ratio = Figure("  own function ÷ README path (per round; DataLoader: ÷ its fast path)",
+                   "{:.2f}", None, goal="≥ 0.95", check=lambda o, p: o >= 0.95)
+    by_cpu = Figure("  the same from CPU per sample: README path's ÷ own function's (the ratio "
+                    "on an idle machine)", "{:.2f}", None, goal="≥ 0.95",
+                    check=lambda o, p: o >= 0.95)
+    for c, base in ((OURS, "readme"), ("torch DataLoader", "fast")):
+        if c in own.values or c in own.why:
+            for figure, value in ((ratio, per_round(c, "own", base)),
+                                  (by_cpu, cpu_ratio(c, "own", base))):
+                if value is not None:
+                    figure.values[c] = value
+                else:
+                    figure.why[c] = own.why.get(c) or readme.why.get(c) or "not measured"
+    return [readme, own, ratio, by_cpu]
 
 
 def report(results: dict[str, Any]) -> str:
@@ -601,7 +685,8 @@ def report(results: dict[str, Any]) -> str:
         "median of per-round ratios to the peer with the best median. CPU, RSS/PSS, first "
         f"batch: fresh processes per loader (first batch: median of {results['repeats']}). "
         "'-': the loader has no such figure here (FFCV: no per-sample PIL work, no S3 "
-        "reader in this benchmark; mosaicml-streaming: cold start only).",
+        "reader in this benchmark; mosaicml-streaming: cold start only; own-function rows: the "
+        "sample-dict loaders).",
     ])
 
 

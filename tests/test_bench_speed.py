@@ -102,3 +102,103 @@ def test_a_run_saved_before_per_epoch_limits_uses_the_limit_of_its_round():
     by_name = {f.name.split(" (")[0].strip(): f for f in figures(raw)}
     assert by_name["fraction of the fast stack's limit"].values[OURS] == pytest.approx(0.7)
     assert OURS not in by_name["CPU efficiency: the loop's CPU per sample ÷ the loader's"].values
+
+
+# -- the own-function rows (issue 24) ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def jpeg_shards(tmp_path_factory):
+    from shardloader.ingest.writer import write_shards
+    from shardloader.synthetic import make_image_samples
+
+    out = tmp_path_factory.mktemp("own-function")
+    samples = [{"image": s["image"], "label": s["label"]}
+               for s in make_image_samples(24, min_size=96, max_size=200, seed=5)]
+    write_shards(iter(samples), str(out), shard_samples=10)
+    return str(out), samples
+
+
+def test_the_own_function_gives_the_readme_pixels_for_the_same_generator_seed(jpeg_shards):
+    """`peers.own_transform` is the README transform wrapped in user code: for the same
+    generator seed, the same CHW uint8 bytes under another field name, and the label."""
+    import torch
+
+    from benchmarks.peers import SIZE, loader_transform, own_transform
+
+    readme = loader_transform("readme")
+    for i, sample in enumerate(jpeg_shards[1]):
+        want = readme(sample, generator=torch.Generator().manual_seed(1000 + i))["image"]
+        got = own_transform(sample, generator=torch.Generator().manual_seed(1000 + i))
+        assert set(got) == {"img", "label"} and got["label"] == sample["label"]
+        assert got["img"].dtype == torch.uint8 and got["img"].shape == (3, SIZE, SIZE)
+        assert torch.equal(got["img"], want)
+    # the equality is not that of a constant: another seed is another crop
+    other = own_transform(jpeg_shards[1][0], generator=torch.Generator().manual_seed(7))["img"]
+    assert not torch.equal(other, readme(jpeg_shards[1][0],
+                                         generator=torch.Generator().manual_seed(1000))["image"])
+
+
+def test_the_loader_gives_the_same_batches_for_the_own_function_as_for_the_readme_transform(
+        jpeg_shards):
+    """Through the Loader (its direct path for the README transform, its general path for the
+    user's function): the same pixels, labels and samples, batch by batch, in two epochs."""
+    import torch
+
+    from benchmarks.peers import loader_transform, own_transform
+    from shardloader import Dataset, Loader
+
+    def batches(transform, field):
+        loader = Loader(Dataset(jpeg_shards[0]), batch_size=8, num_workers=0, seed=11,
+                        transform=transform, shuffle=True, tail="partial")
+        out = []
+        for _ in range(2):
+            out += [(b[field], b["label"], b["__index__"]) for b in loader]
+        return out
+
+    readme, own = batches(loader_transform("readme"), "image"), batches(own_transform, "img")
+    assert len(readme) == len(own) == 6
+    for (a_img, a_label, a_index), (b_img, b_label, b_index) in zip(readme, own):
+        assert torch.equal(a_index, b_index) and torch.equal(a_label, b_label)
+        assert torch.equal(a_img, b_img)
+    assert not torch.equal(readme[0][0], readme[3][0])  # epochs differ: the key has the epoch
+
+
+def test_the_own_function_ratio_is_per_round_and_checks_the_goal():
+    """Own-function epochs 5,600 and 7,000 after README epochs 7,000 and 7,200: ratios 0.80,
+    0.97 (median 0.885, goal missed); DataLoader's own over its fast path. From CPU per sample
+    (README's over own's, per round): 380/500 and 400/400 us, median 0.88."""
+    raw = _raw({"rates": {f"{OURS}|readme": [7000.0, 7200.0], f"{OURS}|own": [5600.0, 7000.0],
+                          "torch DataLoader|own": [4000.0], "torch DataLoader|fast": [5000.0]},
+                "epoch_cpu": {f"{OURS}|readme": [380e-6, 400e-6], f"{OURS}|own": [500e-6, 400e-6]}})
+    raw["columns"] = [OURS, "torch DataLoader"]
+    by_name = {f.name.strip(): f for f in figures(raw)}
+    readme = by_name["samples/s, README transform Compose([DecodeCropFlip(112), ToTensor()])"]
+    assert readme.values == {OURS: 7100.0}
+    own = next(f for name, f in by_name.items() if name.startswith("samples/s, the same built-in"))
+    assert own.values == {OURS: 6300.0, "torch DataLoader": 4000.0} and own.met() == "no"
+    ratio = next(f for name, f in by_name.items() if name.startswith("own function ÷ README"))
+    assert ratio.values[OURS] == pytest.approx((0.8 + 7000 / 7200) / 2)
+    assert ratio.values["torch DataLoader"] == pytest.approx(0.8)
+    assert ratio.met() == "no"
+    by_cpu = next(f for name, f in by_name.items() if name.startswith("the same from CPU"))
+    assert by_cpu.values == {OURS: pytest.approx((0.76 + 1.0) / 2)} and by_cpu.met() == "no"
+    assert by_cpu.why == {"torch DataLoader": "not measured"}
+    raw["in_process"]["rates"][f"{OURS}|own"] = [6900.0, 7000.0]
+    by_name = {f.name.strip(): f for f in figures(raw)}
+    own = next(f for name, f in by_name.items() if name.startswith("samples/s, the same built-in"))
+    assert own.met() == "yes"
+
+
+def test_spdl_has_na_cells_with_reasons_where_it_has_no_such_figure():
+    """SPDL reads local files with its own decoder: its cold-start and PIL cells say so (n/a
+    with the reason under the table), and it has no README/own-function cells at all."""
+    raw = _raw({"rates": {f"{OURS}|fast": [1.0], "SPDL|fast": [1.0]}})
+    raw["columns"] = [OURS, "SPDL"]
+    text = render(figures(raw), raw["columns"])
+    cold = next(line for line in text.splitlines() if line.startswith("| first batch, cold"))
+    assert [c.strip() for c in cold.strip("|").split("|")][2] == "n/a"
+    assert "- SPDL (first batch, cold from S3" in text and "no S3 reader" in text
+    assert "its own FFmpeg decoder only" in text
+    own = next(line for line in text.splitlines() if line.startswith("| samples/s, the same built"))
+    assert [c.strip() for c in own.strip("|").split("|")][2] == "-"
