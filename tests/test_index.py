@@ -254,3 +254,197 @@ def test_index_write_and_verify_on_s3(tar_dataset, s3_server, s3_url, tmp_path):
 
 def _strip(record: dict) -> dict:
     return {k: v for k, v in record.items() if k != "__index__"}
+
+
+# -- the columnar index: 10^5 shards, answers as the entry-by-entry representation ------------
+def _reference_offsets(counts: list[int]) -> list[int]:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
+def _large_index_json(n: int, seed: int = 0) -> dict:
+    """An index of `n` shards as the writer and indexer make them (distinct checksums, a ranges
+    sidecar each, tar shards with an offsets sidecar too), plus the odd entries a hand-edited
+    index may hold: empty shards, a missing sidecar, keys with floats, lists, nested dicts."""
+    rng = np.random.default_rng(seed)
+    counts = rng.integers(0, 2000, n).tolist()
+    sizes = rng.integers(0, 2**40, n).tolist()
+    digests = rng.integers(0, 256, (3, n, 16), dtype=np.uint8)
+    shards = []
+    for i in range(n):
+        fmt = "tar" if i % 7 == 3 else "arrow"
+        name = f"part-{i // 1000:03d}/shard-{i:06d}.{fmt}"
+        entry = {"path": name, "format": fmt, "samples": counts[i], "bytes": sizes[i],
+                 "checksum": "xxh3_128:" + digests[0, i].tobytes().hex()}
+        if i % 1000 != 999:  # a few shards without a ranges sidecar
+            entry["ranges"] = {"path": name + ".ranges", "bytes": 1000 + i % 17,
+                               "checksum": "xxh3_128:" + digests[1, i].tobytes().hex()}
+        if fmt == "tar":
+            entry["offsets"] = {"path": name + ".idx", "bytes": 24 * counts[i],
+                                "checksum": "xxh3_128:" + digests[2, i].tobytes().hex()}
+        shards.append(entry)
+    shards[5]["note"] = {"by": "hand", "weights": [0.5, -0.0, 1e300], "ok": True, "none": None}
+    shards[6]["row_groups"] = 3
+    shards[7]["ranges"]["path"] = "elsewhere/r.ranges"  # not named after its shard
+    shards[8]["label"] = "ü"
+    return {"format": "shardloader-index", "version": 1, "schema": {"image": "binary", "label": "int64"},
+            "shards": shards}
+
+
+def _canonical_fingerprint(data: dict) -> str:
+    import hashlib
+
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def large_index_json() -> dict:
+    return _large_index_json(100_000)
+
+
+def test_large_index_answers_as_entry_by_entry(large_index_json):
+    from shardloader.format.index import ShardInfo
+
+    data = large_index_json
+    index = Index.loads(json.dumps(data))
+    reference = tuple(ShardInfo.from_json(e, where=f"shards[{i}]") for i, e in enumerate(data["shards"]))
+    n = len(reference)
+    assert index.num_shards == len(index.shards) == n
+    assert index.shards == reference  # every field of every shard, extras included
+    assert reference[:50] == Index.from_json({**data, "shards": data["shards"][:50]}).shards
+    assert index.shards[-1] == reference[-1] and index.shards[5] == reference[5]
+    assert index.shards[10:20] == reference[10:20] and isinstance(index.shards[10:20], tuple)
+    assert index.shards[99_990:] + index.shards[:2] == reference[99_990:] + reference[:2]
+    assert index.to_json() == data
+    assert index.fingerprint == _canonical_fingerprint(data)
+    subset = {**data, "shards": data["shards"][:10_000]}  # built from ShardInfos, as the writer does
+    assert Index(index.schema, reference[:10_000]).fingerprint == _canonical_fingerprint(subset)
+    counts = [s.samples for s in reference]
+    assert index.sample_offsets.tolist() == _reference_offsets(counts)
+    assert index.num_samples == sum(counts)
+    assert index.total_bytes == sum(s.bytes for s in reference)
+    assert index.shard_samples.tolist() == counts
+    assert index.shard_bytes.tolist() == [s.bytes for s in reference]
+    assert set(index.formats) == {"arrow", "tar"}
+    assert index.empty_shards().tolist() == [i for i, c in enumerate(counts) if c == 0]
+    import bisect
+
+    offsets = _reference_offsets(counts)
+    rng = np.random.default_rng(1)
+    samples = rng.integers(0, index.num_samples, 5000).tolist() + [0, index.num_samples - 1]
+    shards, rows = index.locate_many(samples)
+    for k, sample in enumerate(samples):
+        shard = bisect.bisect_right(offsets, sample) - 1
+        assert index.locate(sample) == (shard, sample - offsets[shard]) == (shards[k], rows[k])
+        assert reference[shard].samples > 0
+    with pytest.raises(IndexError, match="out of range"):
+        index.locate(index.num_samples)
+    with pytest.raises(IndexError, match="out of range"):
+        index.shards[n]
+    assert index.shards[-n] == reference[0]
+
+
+def test_large_index_bytes_per_shard_are_bounded(large_index_json):
+    import gc
+    import pickle
+
+    index = Index.from_json(large_index_json)
+    n = index.num_shards
+    assert index.nbytes <= 100 * n  # measured: about 77 (paths of 24 characters, 3 checksums)
+    assert len(pickle.dumps(index)) <= 100 * n + 10_000  # what a spawned worker receives
+    again = pickle.loads(pickle.dumps(index))
+    assert again == index and again.fingerprint == index.fingerprint
+    # The index is a few hundred Python objects here (a few dozen, plus the ids of the shards
+    # that lack a field most have, or have one most lack), not several per shard as entries
+    # once were: a forked worker's reference counting and garbage collector touch those only.
+    seen: set[int] = set()
+    todo = [index]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, type):
+            continue
+        seen.add(id(obj))
+        todo.extend(gc.get_referents(obj))
+    assert len(seen) < n / 100
+
+
+def test_large_index_sample_counts_add_up_across_a_fork(large_index_json):
+    """A forked process reads the parent's index (no copy is sent) and gets the same answers."""
+    import multiprocessing
+
+    index = Index.from_json(large_index_json)
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        got = pool.apply(_child_answers, (None,))
+    assert got == _child_answers(index)
+
+
+_FORKED: Index | None = None
+
+
+def _child_answers(index: Index | None) -> tuple:
+    index = index if index is not None else _FORKED
+    assert index is not None
+    return (index.fingerprint, index.num_samples, index.shards[12345].to_json(), index.locate(777_777))
+
+
+@pytest.fixture(autouse=True)
+def _forked_index(request, large_index_json):
+    global _FORKED
+    if request.node.name == "test_large_index_sample_counts_add_up_across_a_fork":
+        _FORKED = Index.from_json(large_index_json)
+    yield
+    _FORKED = None
+
+
+def test_unusual_entries_take_the_entry_by_entry_path(arrow_dataset):
+    """Paths that normalise, upper-case digests, int subclasses: validated entry by entry, and
+    kept exactly as that validation gives them."""
+    data = load_index(arrow_dataset.path).to_json()
+    data["shards"][0]["path"] = "./" + data["shards"][0]["path"]
+    data["shards"][1]["checksum"] = data["shards"][1]["checksum"].upper().replace("XXH3_128", "xxh3_128")
+    index = Index.from_json(data)
+    assert index.shards[0].path == data["shards"][0]["path"][2:]
+    assert index.shards[1].checksum == data["shards"][1]["checksum"]
+    expected = json.loads(json.dumps(data))
+    expected["shards"][0]["path"] = index.shards[0].path
+    assert index.to_json() == expected
+    assert index.fingerprint == _canonical_fingerprint(expected)
+
+
+def test_damaged_entry_among_many_is_named(large_index_json):
+    data = json.loads(json.dumps(large_index_json))
+    data["shards"][54_321]["samples"] = -1
+    with pytest.raises(DatasetIndexError, match=r"shards\[54321\]: field 'samples' must be a non-negative integer"):
+        Index.from_json(data)
+    data["shards"][54_321]["samples"] = 1
+    data["shards"][60_000]["path"] = "../up.arrow"
+    with pytest.raises(UnsafePathError, match=r"shards\[60000\].*escapes its root"):
+        Index.from_json(data)
+    data["shards"][60_000]["path"] = data["shards"][3]["path"]
+    with pytest.raises(DatasetIndexError, match=r"shards\[60000\] repeats path .* \(also shards\[3\]\)"):
+        Index.from_json(data)
+
+
+def test_index_is_immutable(arrow_dataset):
+    index = load_index(arrow_dataset.path)
+    with pytest.raises(AttributeError):
+        index.schema = {}  # type: ignore[misc]
+    with pytest.raises(ValueError):
+        index.sample_offsets[0] = 5
+
+
+def test_large_index_file_loads_and_heap_is_trimmed(large_index_json, tmp_path):
+    """`load_index` of a file over the trim threshold: the same index, then the heap trimmed."""
+    from shardloader.source import index as source_index
+
+    text = json.dumps(large_index_json)
+    assert len(text) >= source_index._TRIM_BYTES
+    (tmp_path / INDEX_NAME).write_text(text)
+    loaded = load_index(str(tmp_path))
+    assert loaded.fingerprint == _canonical_fingerprint(large_index_json)
+    assert loaded.shards[777] == Index.from_json(large_index_json).shards[777]
+    assert source_index.trim_heap() is True  # glibc (this project's CI and machines)

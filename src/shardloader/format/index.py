@@ -21,6 +21,15 @@ Format (version 1)::
 
 Format-specific keys are kept in `ShardInfo.extra` (e.g. a tar shard's member-offset sidecar).
 
+In memory an `Index` holds its shards as columns (numpy arrays and a few byte buffers; see
+`shardloader.format.index_columns`), not one `ShardInfo` per shard: the writer's entries cost 70-90 bytes
+per shard (10^6 shards: ~80 MB, against ~1.4 GB as ShardInfos), held by a few dozen objects
+that forked workers share copy-on-write. `Index.shards` is a sequence that builds each
+`ShardInfo` when asked for; `sample_offsets`, `shard_samples`, `shard_bytes`, `formats` and
+`empty_shards()` answer for all shards without building any. Parsing validates each field in
+one pass over all entries when every entry is plain (the common case), and falls back to the
+entry-by-entry checks otherwise, so a damaged entry is named exactly as before.
+
 Counts are bounded: a shard's ``samples``, and their sum over the shards, at most `MAX_SAMPLES`
 (2**48, about 2.8e14: 50,000 times the largest public datasets); a larger count is damage, and
 would overflow the int64 arithmetic on sample positions. A shard's ``bytes``: at most
@@ -30,17 +39,19 @@ is opened (its reader compares the count with the file's).
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+import operator
+import re
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
 from shardloader.errors import DatasetIndexError, UnsafePathError
+from shardloader.format.index_columns import ShardColumns, hex_digests
 from shardloader.format.registry import FORMATS
 from shardloader.io.checksum import parse_checksum
 from shardloader.io.jsondata import parse_json
@@ -67,6 +78,28 @@ class ShardInfo:
     bytes: int
     checksum: str  # "algorithm:hexdigest"
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    # A ShardInfo that an `Index` builds on demand gets its `checksum` and `extra` when they are
+    # first read (most callers read only `path` and `samples`): until then its `_pending` is
+    # (columns, shard id). Equality, repr, pickling and copies read them, so they all see the
+    # full entry; a pickled ShardInfo never carries the index with it.
+    def __getattr__(self, name: str) -> Any:
+        pending = self.__dict__.get("_pending")
+        if pending is None or name not in ("checksum", "extra"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        columns, shard = pending
+        self.__dict__["checksum"] = columns.checksums.get(shard, shard)
+        self.__dict__["extra"] = {} if columns.extra is None else columns.extra.get(shard, shard)
+        del self.__dict__["_pending"]
+        return self.__dict__[name]
+
+    def __getstate__(self) -> dict[str, Any]:
+        if "_pending" in self.__dict__:
+            self.__getattr__("extra")
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def to_json(self) -> dict[str, Any]:
         out = {
@@ -112,13 +145,169 @@ class ShardInfo:
         return cls(path, fmt, entry["samples"], entry["bytes"], entry["checksum"], extra)
 
 
-@dataclass(frozen=True)
-class Index:
-    """A validated dataset index. Immutable; cheap to pickle into worker processes."""
+# -- columns (see shardloader.format.index_columns) --------------------------------------------
+_HEX_CHECKSUM = re.compile(r"([a-z0-9_]+):([0-9a-f]+)")
+#: Relative paths that `safe_relative_path` accepts unchanged (plain names joined by "/", none
+#: of them "." or ".."), one per line: all paths are checked in one match; an index with any
+#: other path has each go through `safe_relative_path`.
+_PLAIN_NAME = r"(?!\.\.?(?:/|\n|\Z))[A-Za-z0-9_.+,=@~-]+"
+_PLAIN_PATH = rf"{_PLAIN_NAME}(?:/{_PLAIN_NAME})*"
+_PLAIN_PATHS = re.compile(rf"{_PLAIN_PATH}(?:\n{_PLAIN_PATH})*")
 
-    schema: Mapping[str, str]
-    shards: tuple[ShardInfo, ...]
-    version: int = INDEX_VERSION
+
+def _shard_info(columns: ShardColumns, i: int) -> ShardInfo:
+    """Shard i's entry (its checksum and extras are decoded when first read)."""
+    info = object.__new__(ShardInfo)
+    d = info.__dict__
+    d["path"] = columns.paths.get(i, i)
+    d["format"] = columns.format_names[columns.formats[i]]
+    d["samples"] = int(columns.samples[i])
+    d["bytes"] = int(columns.sizes[i])
+    d["_pending"] = (columns, i)
+    return info
+
+
+class ShardList(Sequence[ShardInfo]):
+    """The index's shards as a read-only sequence of `ShardInfo`, each built when asked for.
+
+    Behaves like the tuple the index used to hold: `len`, indexing (negative too), slices
+    (tuples), iteration, `in`, and equality with any sequence of the same ShardInfos.
+    """
+
+    __slots__ = ("_columns",)
+
+    def __init__(self, columns: ShardColumns) -> None:
+        self._columns = columns
+
+    def __len__(self) -> int:
+        return self._columns.count
+
+    @overload
+    def __getitem__(self, i: int) -> ShardInfo: ...
+    @overload
+    def __getitem__(self, i: slice) -> tuple[ShardInfo, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> ShardInfo | tuple[ShardInfo, ...]:
+        if isinstance(i, slice):
+            return tuple(_shard_info(self._columns, k) for k in range(*i.indices(self._columns.count)))
+        k = operator.index(i)
+        n = self._columns.count
+        if k < 0:
+            k += n
+        if not 0 <= k < n:
+            raise IndexError(f"shard {i} is out of range for an index of {n} shards")
+        return _shard_info(self._columns, k)
+
+    def __iter__(self) -> Iterator[ShardInfo]:
+        columns = self._columns
+        return (_shard_info(columns, k) for k in range(columns.count))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __add__(self, other: Sequence[ShardInfo]) -> tuple[ShardInfo, ...]:
+        return tuple(self) + tuple(other)
+
+    def __radd__(self, other: Sequence[ShardInfo]) -> tuple[ShardInfo, ...]:
+        return tuple(other) + tuple(self)
+
+    def __repr__(self) -> str:
+        return f"ShardList({len(self)} shards)"
+
+
+def _fast_columns(shards_json: list[Any]) -> ShardColumns | None:
+    """Columns straight from parsed entries when every entry is plainly valid (the checks of
+    `ShardInfo.from_json`, one pass per field); None when any entry needs the entry-by-entry
+    validation, which then names the first bad entry as it always did."""
+    if set(map(type, shards_json)) - {dict}:
+        return None
+    try:
+        paths, formats, samples, sizes, checksums = (list(map(operator.itemgetter(key), shards_json))
+                                                     for key in _REQUIRED_SHARD_KEYS)
+    except KeyError:
+        return None
+    if not shards_json:
+        return ShardColumns([], [], [], [], [], [])
+    if set(map(type, paths)) != {str}:
+        return None
+    joined = "\n".join(paths)  # one match for all paths; a path holding "\n" counts apart
+    if joined.count("\n") != len(paths) - 1 or not _PLAIN_PATHS.fullmatch(joined):
+        return None
+    if set(map(type, formats)) != {str} or not set(formats) <= FORMATS.keys():
+        return None
+    for values, bound in ((samples, MAX_SAMPLES), (sizes, MAX_SHARD_BYTES)):
+        if set(map(type, values)) != {int} or min(values) < 0 or max(values) > bound:
+            return None
+    if set(map(type, checksums)) != {str}:
+        return None
+    digests = hex_digests(checksums)
+    algorithms = ({digests[0][:-1]} if digests is not None else
+                  {m.group(1) if m else None for m in map(_HEX_CHECKSUM.fullmatch, checksums)})
+    for algorithm in algorithms:
+        try:
+            parse_checksum(f"{algorithm}:00")
+        except ValueError:
+            return None
+    return ShardColumns(paths, formats, samples, sizes, checksums, shards_json, frozenset(_REQUIRED_SHARD_KEYS))
+
+
+def _columns_of(shards: Sequence[ShardInfo]) -> ShardColumns:
+    return ShardColumns([s.path for s in shards], [s.format for s in shards], [s.samples for s in shards],
+                         [s.bytes for s in shards], [s.checksum for s in shards],
+                         [dict(s.extra) for s in shards])
+
+
+class Index:
+    """A validated dataset index. Immutable; cheap to pickle into worker processes.
+
+    Held as columns (see `ShardColumns`): about a hundred bytes per shard, in a few numpy
+    arrays and buffers that forked workers share. `shards` gives `ShardInfo`s on demand;
+    `sample_offsets`, `shard_samples`, `shard_bytes`, `formats` and `empty_shards` answer
+    for all shards at once without building any.
+    """
+
+    __slots__ = ("schema", "version", "_columns", "__dict__")
+
+    def __init__(self, schema: Mapping[str, str], shards: Sequence[ShardInfo] = (),
+                 version: int = INDEX_VERSION, *, _columns: ShardColumns | None = None) -> None:
+        object.__setattr__(self, "schema", dict(schema))
+        object.__setattr__(self, "version", version)
+        object.__setattr__(self, "_columns", _columns if _columns is not None else _columns_of(tuple(shards)))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Index is immutable (cannot set {name!r})")
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {"schema": self.schema, "version": self.version, "columns": self._columns}
+        if "fingerprint" in self.__dict__:  # a spawned worker would otherwise recompute it
+            state["fingerprint"] = self.__dict__["fingerprint"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        object.__setattr__(self, "schema", state["schema"])
+        object.__setattr__(self, "version", state["version"])
+        object.__setattr__(self, "_columns", state["columns"])
+        if "fingerprint" in state:
+            self.__dict__["fingerprint"] = state["fingerprint"]
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Index):
+            return NotImplemented
+        return self.schema == other.schema and self.version == other.version and self.shards == other.shards
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Index(schema={self.schema!r}, shards={self.num_shards}, version={self.version})"
+
+    @property
+    def shards(self) -> ShardList:
+        """The shards in index order, as `ShardInfo`s built on demand."""
+        return ShardList(self._columns)
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -145,24 +334,39 @@ class Index:
         shards_json = data.get("shards")
         if not isinstance(shards_json, list):
             raise DatasetIndexError(f"{source}: 'shards' must be a list")
-        shards = tuple(
-            ShardInfo.from_json(entry, where=f"{source}: shards[{i}]")
-            for i, entry in enumerate(shards_json)
-        )
-        seen: dict[str, int] = {}
-        for i, shard in enumerate(shards):
-            if shard.path in seen:
-                raise DatasetIndexError(
-                    f"{source}: shards[{i}] repeats path {shard.path!r} (also shards[{seen[shard.path]}])"
-                )
-            seen[shard.path] = i
-        total = sum(shard.samples for shard in shards)
+        columns = _fast_columns(shards_json)
+        paths: Sequence[str]
+        if columns is None:  # entry by entry: the first bad entry is named
+            shards = tuple(
+                ShardInfo.from_json(entry, where=f"{source}: shards[{i}]")
+                for i, entry in enumerate(shards_json)
+            )
+            paths = [s.path for s in shards]
+            total = sum(s.samples for s in shards)
+        else:
+            shards = ()
+            paths = [e["path"] for e in shards_json]
+            total = int(columns.samples.sum(dtype=np.int64)) if columns.count else 0
+        if len(set(paths)) != len(paths):
+            seen: dict[str, int] = {}
+            for i, path in enumerate(paths):
+                if path in seen:
+                    raise DatasetIndexError(
+                        f"{source}: shards[{i}] repeats path {path!r} (also shards[{seen[path]}])"
+                    )
+                seen[path] = i
         if total > MAX_SAMPLES:
             raise DatasetIndexError(
                 f"{source}: the shards' 'samples' fields add up to {total}, more than the "
                 f"{MAX_SAMPLES} a dataset may hold (shardloader.format.index.MAX_SAMPLES): "
                 f"{_DAMAGED}")
-        return cls(schema=dict(schema), shards=shards, version=version)
+        index = cls(schema=dict(schema), version=version,
+                    _columns=columns if columns is not None else _columns_of(shards))
+        if columns is not None and data.keys() == {"format", "version", "schema", "shards"}:
+            # The parsed document is the canonical one (paths already normal, no other keys):
+            # its fingerprint costs one C-speed dump now instead of one ShardInfo per shard later.
+            index.__dict__["fingerprint"] = _fingerprint_of(data)
+        return index
 
     @classmethod
     def loads(cls, text: str | bytes, *, source: str = INDEX_NAME) -> Index:
@@ -184,14 +388,45 @@ class Index:
     @cached_property
     def fingerprint(self) -> str:
         """Hash of the canonical JSON: changes whenever any shard, count, checksum or field does."""
-        canonical = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-        return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+        return _fingerprint_of(self.to_json())
 
     @cached_property
     def sample_offsets(self) -> np.ndarray:
         """int64 array of length S+1: shard s holds global samples offsets[s] .. offsets[s+1]-1."""
-        counts = np.fromiter((s.samples for s in self.shards), dtype=np.int64, count=len(self.shards))
-        return np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(counts, dtype=np.int64)])
+        offsets = np.zeros(self._columns.count + 1, dtype=np.int64)
+        np.cumsum(self._columns.samples, dtype=np.int64, out=offsets[1:])
+        offsets.flags.writeable = False
+        return offsets
+
+    @property
+    def shard_samples(self) -> np.ndarray:
+        """Each shard's sample count (read-only int64 array, one per shard)."""
+        view = self._columns.samples.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def shard_bytes(self) -> np.ndarray:
+        """Each shard's file size in bytes (read-only int64 array, one per shard)."""
+        view = self._columns.sizes.view()
+        view.flags.writeable = False
+        return view
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """The shard formats the index uses, each once, in order of first use."""
+        used = np.zeros(len(self._columns.format_names), dtype=bool)
+        used[np.unique(self._columns.formats)] = True
+        return tuple(name for name, u in zip(self._columns.format_names, used) if u)
+
+    def empty_shards(self) -> np.ndarray:
+        """Ids of the shards the index lists with 0 samples."""
+        return np.flatnonzero(self._columns.samples == 0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the index's columns (what it costs per process, shared under fork)."""
+        return self._columns.nbytes
 
     @property
     def num_samples(self) -> int:
@@ -199,21 +434,20 @@ class Index:
 
     @property
     def num_shards(self) -> int:
-        return len(self.shards)
+        return self._columns.count
 
     @property
     def total_bytes(self) -> int:
-        return sum(s.bytes for s in self.shards)
+        return int(self._columns.sizes.sum(dtype=np.int64)) if self._columns.count else 0
 
     def locate(self, sample: int) -> tuple[int, int]:
         """(shard id, row in shard) of global sample index `sample`."""
         n = self.num_samples
         if not 0 <= sample < n:
             raise IndexError(f"sample index {sample} is out of range for a dataset of {n} samples")
-        shard = bisect.bisect_right(self.sample_offsets, sample) - 1
-        # Skip empty shards that share the same offset.
-        while self.shards[shard].samples == 0:
-            shard += 1
+        # The last shard whose first sample is <= `sample`: empty shards sharing that offset
+        # come before it, so they are skipped.
+        shard = int(np.searchsorted(self.sample_offsets, sample, side="right")) - 1
         return shard, sample - int(self.sample_offsets[shard])
 
     def locate_many(self, samples: Sequence[int] | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -223,3 +457,8 @@ class Index:
             raise IndexError(f"sample indices out of range for a dataset of {self.num_samples} samples")
         shards = np.searchsorted(self.sample_offsets, samples, side="right") - 1
         return shards, samples - self.sample_offsets[shards]
+
+
+def _fingerprint_of(document: Mapping[str, Any]) -> str:
+    canonical = json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()

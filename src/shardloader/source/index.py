@@ -1,4 +1,14 @@
-"""Reading a dataset's `index.json` from its root (a local path or any fsspec URL)."""
+"""Reading a dataset's `index.json` from its root (a local path or any fsspec URL).
+
+Parsing a large index allocates far more than the index keeps: the parsed JSON (a dict, a few
+strings and ints per shard: about 1.3 KB per shard) is dropped once the columns are built (about
+70 bytes per shard, see `shardloader.format.index`), but the C allocator keeps the freed heap
+mapped, so the process's RSS would stay at its peak. After an index of `_TRIM_BYTES` or more,
+the heap's free pages are handed back to the kernel (glibc's `malloc_trim`; elsewhere nothing
+happens). Measured after `Index.loads` of 10^4 shards: RSS +11.6 MB, +1.7 MB after the trim
+(the columns hold 0.7 MB); `benchmarks/scale.py`, 10^6 shards: `Dataset()` grows the process
+by 82 bytes per shard (1,446 before the columns and the trim).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +17,10 @@ from typing import Any
 from shardloader.errors import DatasetIndexError
 from shardloader.format.index import INDEX_NAME, Index
 from shardloader.io.paths import is_local, join_url, strip_file_scheme
+
+#: Index files from this size on (about 4,000 shards) are followed by a heap trim: below it
+#: there is little to give back. A trim costs about a millisecond (0.6 ms after 10^4 shards).
+_TRIM_BYTES = 1 << 20
 
 
 def load_index(url: str, storage_options: dict[str, Any] | None = None) -> Index:
@@ -24,4 +38,24 @@ def load_index(url: str, storage_options: dict[str, Any] | None = None) -> Index
         from shardloader.format.roots import missing_index_message  # names what was passed
 
         raise DatasetIndexError(missing_index_message(url, index_url)) from None
-    return Index.loads(text, source=index_url)
+    size = len(text)
+    try:
+        return Index.loads(text, source=index_url)
+    finally:
+        del text
+        if size >= _TRIM_BYTES:
+            trim_heap()
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the kernel (glibc only); whether it could."""
+    import ctypes  # here: most indexes are small, and most processes never need it
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the symbols the process has: glibc's, on Linux
+    except (OSError, AttributeError):
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True
