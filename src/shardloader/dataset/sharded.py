@@ -110,13 +110,13 @@ class Dataset:
     def _check_empty_shards(self) -> None:
         """Open each shard the index calls empty: a `samples: 0` entry for a shard that holds
         rows would silently drop them from every epoch (the reader's count check names both)."""
-        for info in self.index.shards:
-            if info.samples == 0:
-                path = self.source.local_path(info)
-                try:
-                    open_shard(info, path, self.index.schema).close()
-                finally:
-                    self.source.release(info)
+        for shard in self.index.empty_shards().tolist():  # without a ShardInfo for every shard
+            info = self.index.shards[shard]
+            path = self.source.local_path(info)
+            try:
+                open_shard(info, path, self.index.schema).close()
+            finally:
+                self.source.release(info)
 
     def _reset_process_state(self) -> None:
         self._readers: OrderedDict[int, ShardReader] = OrderedDict()
@@ -373,7 +373,7 @@ class Dataset:
         read one sample (a reader's first read loads what it loads lazily); a remote source
         would download a shard for that, so there only the code is loaded. The Loader calls it
         before forking its workers, which then inherit what it loaded."""
-        for fmt in {shard.format for shard in self.index.shards}:
+        for fmt in self.index.formats:
             shard_format(fmt).load()
         if self.source.reads_in_place and len(self):
             self.get_many(np.zeros(1, dtype=np.int64))  # workers reopen their own readers
