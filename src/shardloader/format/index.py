@@ -415,8 +415,8 @@ class Index:
     @property
     def formats(self) -> tuple[str, ...]:
         """The shard formats the index uses, each once, in order of first use."""
-        used = np.zeros(len(self._columns.format_names), dtype=bool)
-        used[np.unique(self._columns.formats)] = True
+        # (np.bincount, not np.unique: that imports numpy.ma, which workers should not pay for)
+        used = np.bincount(self._columns.formats, minlength=len(self._columns.format_names)) > 0
         return tuple(name for name, u in zip(self._columns.format_names, used) if u)
 
     def empty_shards(self) -> np.ndarray:
