@@ -19,7 +19,7 @@ from shardloader.errors import FetchError
 from shardloader.ingest.indexer import index_dataset, list_shard_files
 from shardloader.ingest.verify import verify_dataset
 from shardloader.io.clients import filesystem
-from shardloader.io.objects import object_exists
+from shardloader.io.objects import object_exists, put_bytes, put_file
 from shardloader.io.retry import RetryPolicy, retrying
 from shardloader.io.s3client import S3Reader
 from shardloader.source.index import load_index
@@ -171,3 +171,26 @@ def test_index_and_verify_on_s3_name_the_url_of_a_permanent_error(tars_on_s3, s3
         index_dataset(tars_on_s3, storage_options=opts)
     with pytest.raises(FetchError, match=rf"^{tars_on_s3}/shard-00000.tar: not found"):
         verify_dataset(tars_on_s3, opts)
+
+
+PUTS = lambda method, path, headers: method == "PUT"  # noqa: E731
+
+
+def test_a_put_the_server_answers_not_found_is_put_again_whole(s3_server, s3_bucket, fault_proxy, tmp_path):
+    """A put answered 404 (S3's NoSuchUpload: the server lost the upload the client was making,
+    as moto does when a slow multipart completion is sent again) is retried whole, not taken
+    for a missing object; the object is then there, whole. A missing local file is still a
+    FileNotFoundError."""
+    proxy = fault_proxy(s3_server.endpoint, first(2, Fault("status", status=404), match=PUTS))
+    url = f"s3://{s3_bucket}/put"
+    fs, path = filesystem(url, s3_server.storage_options(proxy.url), full_interface=True)
+    local = tmp_path / "state.bin"
+    local.write_bytes(os.urandom(3000))
+    policy = RetryPolicy(attempts=4, base_delay=0.01, max_delay=0.02)
+    put_file(fs, str(local), f"{path}/state.bin", f"{url}/state.bin", policy=policy)
+    put_bytes(fs, b"manifest", f"{path}/manifest.json", f"{url}/manifest.json", policy=policy)
+    assert fs.cat_file(f"{path}/state.bin") == local.read_bytes()
+    assert fs.cat_file(f"{path}/manifest.json") == b"manifest"
+    assert [entry.fault for entry in proxy.settled() if entry.method == "PUT"] == ["status", "status", None, None]
+    with pytest.raises(FileNotFoundError):
+        put_file(fs, str(tmp_path / "gone.bin"), f"{path}/gone.bin", f"{url}/gone.bin", policy=policy)

@@ -10,7 +10,8 @@ unchanged (callers say what is missing); any other permanent error (403, other 4
 exhausted retries raise FetchError naming the URL.
 
 Only calls that are safe to repeat whole are retried: reads, listings, puts of a whole object
-(a second put of the same bytes leaves the same object) and deletes (a second delete leaves
+(a second put of the same bytes leaves the same object; a put answered "not found" is
+`LostUpload`, retried: nothing was read) and deletes (a second delete leaves
 the object deleted; one whose first attempt went through may then see FileNotFoundError). A
 stream (`RetryingReader`) retries one read at a time, from the same offset in a fresh handle.
 A listing first drops what fsspec's listing cache holds for the folder, since the client is
@@ -19,6 +20,7 @@ shared by the process and the folder may have changed since (written by us or by
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -80,14 +82,36 @@ def read_chunks(
         yield from chunks
 
 
+class LostUpload(ConnectionError):
+    """A whole-object put the server answered with "not found". Nothing is read, so nothing is
+    missing: the server lost the upload the client was making (S3's NoSuchUpload, seen when
+    a server slow to complete a multipart upload made the client send its completion again).
+    A put is safe to repeat whole, so this is retried as a transient error."""
+
+
+def _repeatable_put(call: Callable[[], Any], url: str, local_path: str | None = None) -> Callable[[], None]:
+    def attempt() -> None:
+        try:
+            call()
+            return
+        except FileNotFoundError as exc:
+            if local_path is not None and not os.path.exists(local_path):
+                raise  # the file to upload is missing: that is the caller's to say
+            why = f"{type(exc).__name__}: {exc}"
+        # Raised outside the handler: its cause is not the 404, which would make it permanent.
+        raise LostUpload(f"{url}: the server lost the upload ({why}); putting it again whole")
+
+    return attempt
+
+
 def put_file(fs: Any, local_path: str, path: str, url: str, *, policy: RetryPolicy | None = None) -> None:
     """Upload the finished local file `local_path` as object `path`, whole."""
-    retrying(lambda: fs.put_file(local_path, path), url, policy=policy)
+    retrying(_repeatable_put(lambda: fs.put_file(local_path, path), url, local_path), url, policy=policy)
 
 
 def put_bytes(fs: Any, data: bytes, path: str, url: str, *, policy: RetryPolicy | None = None) -> None:
     """Write `data` as object `path`, whole, with one call (`pipe_file`)."""
-    retrying(lambda: fs.pipe_file(path, data), url, policy=policy)
+    retrying(_repeatable_put(lambda: fs.pipe_file(path, data), url), url, policy=policy)
 
 
 def read_object(fs: Any, path: str, url: str, *, policy: RetryPolicy | None = None) -> bytes:
