@@ -8,6 +8,13 @@ in a process of its own so that serving does not compete for the measuring proce
         s3.boto_options()        # for litdata's storage_options (boto3 / obstore)
         s3.env()                 # AWS_* and S3_ENDPOINT_URL, for mosaicml-streaming
 
+    with S3Process({}, upload_caps=[100e6, 25e6]) as server:
+        server.capped[25e6]      # an S3Endpoint whose uploads are capped at 25 MB/s
+
+`upload_caps` puts one of the tests' `FaultProxy`s (tests/fixtures/servers.py) per cap in front
+of the server, in the server's process, each pacing request bodies (`upload_bandwidth`) to
+its cap in bytes/s: a slow link to the destination, for checkpoint uploads.
+
 The server process uploads the given folders, prints one JSON line with its endpoint, and
 serves until its standard input closes (`stop()`, or this process dying: the pipe closes with
 it, and `die_with_parent` covers a SIGKILL).
@@ -54,12 +61,14 @@ class S3Endpoint:
 class S3Process:
     """moto's S3 server in a child process, holding `layouts` (name -> local folder)."""
 
-    def __init__(self, layouts: dict[str, str], timeout: float = 600.0) -> None:
+    def __init__(self, layouts: dict[str, str], timeout: float = 600.0, *,
+                 upload_caps: list[float] = ()) -> None:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks._s3", str(os.getpid()), json.dumps(layouts)],
+            [sys.executable, "-m", "benchmarks._s3", str(os.getpid()), json.dumps(layouts),
+             json.dumps([float(c) for c in upload_caps])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=root, env=env)
         assert self._proc.stdout is not None
         line = self._proc.stdout.readline()  # after the uploads
@@ -67,7 +76,9 @@ class S3Process:
             self._proc.wait(timeout)
             raise RuntimeError(f"the S3 server process exited ({self._proc.returncode}) "
                                "before it served")
-        self.at = S3Endpoint(json.loads(line)["endpoint"])
+        served = json.loads(line)
+        self.at = S3Endpoint(served["endpoint"])
+        self.capped = {float(cap): S3Endpoint(url) for cap, url in served["capped"]}
 
     def stop(self) -> None:
         if self._proc.poll() is None:
@@ -86,18 +97,43 @@ class S3Process:
         self.stop()
 
 
-def _serve(parent: int, layouts: dict[str, str]) -> None:
+def _serve(parent: int, layouts: dict[str, str], upload_caps: list[float]) -> None:
     die_with_parent(parent)
-    from tests.fixtures.servers import S3Server
+    from tests.fixtures.servers import FaultProxy, S3Server
 
     server = S3Server().start()
     server.create_bucket(BUCKET)
     for name, folder in layouts.items():
         server.upload_dir(folder, BUCKET, name)
-    print(json.dumps({"endpoint": server.endpoint}), flush=True)
+    proxies = [(cap, FaultProxy(server.endpoint, upload_bandwidth=cap)) for cap in upload_caps]
+    print(json.dumps({"endpoint": server.endpoint,
+                      "capped": [(cap, proxy.url) for cap, proxy in proxies]}), flush=True)
     sys.stdin.read()  # until the parent closes the pipe (or dies)
+    for cap, proxy in proxies:
+        proxy.stop()
+        _report_repeats(cap, proxy.log)
     server.stop()
 
 
+def _report_repeats(cap: float, log: list) -> None:
+    """Say on stderr which multipart completions a client sent more than once through the
+    proxy (a retry after a lost or slow answer: the server answers the repeat with an error,
+    the upload being complete), and the slowest request: evidence for a benchmark's reader."""
+    completes: dict[str, list] = {}
+    for entry in log:
+        if entry.method == "POST" and "uploadId=" in entry.path:
+            completes.setdefault(entry.path.split("?")[0], []).append(entry)
+    for key, entries in completes.items():
+        if len(entries) > 1:
+            took = ", ".join(f"{e.ended - e.started:.1f}s" for e in entries)
+            print(f"[s3 proxy {cap / 1e6:.0f} MB/s] CompleteMultipartUpload of {key} sent "
+                  f"{len(entries)} times (each took {took})", file=sys.stderr)
+    if log:
+        slow = max(log, key=lambda e: e.ended - e.started)
+        print(f"[s3 proxy {cap / 1e6:.0f} MB/s] {len(log)} requests; slowest {slow.method} "
+              f"{slow.path.split('?')[0]} {slow.ended - slow.started:.1f}s", file=sys.stderr)
+
+
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]), json.loads(sys.argv[2]))
+    _serve(int(sys.argv[1]), json.loads(sys.argv[2]),
+           json.loads(sys.argv[3]) if len(sys.argv) > 3 else [])

@@ -20,6 +20,31 @@ the state. Writes go to --dir (the same disk for all).
 
     .venv/bin/python benchmarks/checkpoint.py                 # 256 MiB and 1 GiB, ~3-5 min
     .venv/bin/python benchmarks/checkpoint.py --sizes 4G      # the 4 GiB state (needs ~16 GiB)
+
+--remote: the destination the asynchronous design exists for, a slow one. Each method saves to
+s3:// on moto's S3 server (benchmarks/_s3.py, its own process, 127.0.0.1) through the tests'
+FaultProxy with an upload cap (`upload_bandwidth`, one proxy per cap, shared by every
+connection of the save), a model-like state plus the weights of a small CPU training loop:
+
+- shardloader:     Checkpointer(s3 root).save(): blocking until it returns, then until the
+                   handle is done (checkpoint whole at the destination, manifest last)
+- torch.save+put:  torch.save to a local file (fsync), then s3fs put_file: one blocking step
+- dcp.async_save:  torch.distributed.checkpoint.async_save with torch's own FsspecWriter
+                   straight to s3:// (no local staging), default stager
+
+After each save returns, the training loop steps until the save is complete: the steps made,
+and their share of what the loop makes alone in that time (timed just before the save), show
+whether training goes on during the upload. Then, per async method, a save is called while the
+previous one is in flight: shardloader keeps one in flight (on_busy="wait": the second save
+blocks until the first is whole), DCP starts a second upload (a second staged copy in memory).
+Caps and methods are interleaved round-robin in one process (order rotating); medians over
+repeats after a cold save. The S3 server is a Python process on the same cores, so on a small,
+shared machine it may itself be slower than the cap: torch.save+put's put time is printed, the
+loopback's real rate under the cap, next to the cap's own time.
+
+    .venv/bin/python benchmarks/checkpoint.py --remote --sizes 256M --caps 100M   # ~3 min
+    .venv/bin/python benchmarks/checkpoint.py --remote --sizes 1G,4G --caps 100M,25M  # full
+    (the 4 GiB state needs ~20 GiB free: the state, a staged copy, moto's copy on completion)
 """
 
 from __future__ import annotations
@@ -235,9 +260,15 @@ class _Dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="256M,1G", help="comma separated, e.g. 256M,1G,4G")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--sizes", default=None,
+                        help="comma separated, e.g. 256M,1G,4G (default 256M,1G; --remote: 256M)")
+    parser.add_argument("--repeats", type=int, default=None, help="default 5 (--remote: 3)")
+    parser.add_argument("--methods", default=None,
+                        help=f"default {','.join(METHODS)} (--remote: {','.join(REMOTE_METHODS)})")
+    parser.add_argument("--remote", action="store_true",
+                        help="save to s3:// (moto, 127.0.0.1) behind upload caps instead")
+    parser.add_argument("--caps", default="100M",
+                        help="--remote: upload caps in bytes/s, comma separated, e.g. 100M,25M")
     parser.add_argument("--dir", default=None, help="where checkpoints are written (one disk)")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     parser.add_argument("--worker", nargs=4, metavar=("KIND", "METHODS", "BYTES", "DIR"),
@@ -245,13 +276,20 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         kind, methods, nbytes, workdir = args.worker
-        if kind == "time":
+        if kind == "remote":
+            caps = [parse_rate(c) for c in args.caps.split(",")]
+            print(json.dumps(remote_worker(methods.split(","), int(nbytes), args.repeats, workdir,
+                                           caps)))
+        elif kind == "time":
             print(json.dumps(timing_worker(methods.split(","), int(nbytes), args.repeats, workdir)))
         else:
             print(json.dumps(memory_worker(methods, int(nbytes), workdir)))
         return
-
-    methods = args.methods.split(",")
+    if args.remote:
+        remote_main(args)
+        return
+    args.repeats = 5 if args.repeats is None else args.repeats
+    methods = (args.methods or ",".join(METHODS)).split(",")
     base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-", dir="/tmp")
     env = dict(os.environ, PYTHONPATH=os.path.join(os.path.dirname(__file__), "..", "src"))
 
@@ -269,7 +307,7 @@ def main() -> None:
 
     rows: list[dict] = []
     try:
-        for size_text in args.sizes.split(","):
+        for size_text in (args.sizes or "256M,1G").split(","):
             nbytes = parse_size(size_text)
             peaks = {m: worker("memory", m, nbytes) for m in methods}
             if nbytes * (len(methods) + 1) < 0.6 * available_bytes():
@@ -319,6 +357,303 @@ def print_table(rows: list[dict]) -> None:
                   f"{r['complete_s']:8.2f}s {r['peak_extra_mib']:7.0f} MiB")
         if "shardloader" in group and "phases" in group["shardloader"]:
             print(f"{'':>5} shardloader phases of the last save (s): {group['shardloader']['phases']}")
+
+
+# -- remote destination: s3:// behind an upload cap -------------------------------------------
+
+REMOTE_METHODS = ["shardloader", "torch.save+put", "dcp.async_save"]
+
+
+def parse_rate(text: str) -> float:
+    """'100M' -> 100e6 bytes/s (decimal, as link speeds are quoted)."""
+    scale = {"K": 1e3, "M": 1e6, "G": 1e9}.get(text[-1].upper())
+    return float(text[:-1]) * scale if scale else float(text)
+
+
+class _Trainer:
+    """A small CPU training loop (an MLP, SGD) that stands for training going on while a
+    checkpoint uploads; its steps/s alone are timed next to each save. Its steps are mostly
+    matrix products (which release the GIL), as a GPU step mostly waits on kernels: a loop of
+    tiny Python-bound steps would starve any upload thread of the GIL instead."""
+
+    def __init__(self) -> None:
+        import torch
+
+        torch.manual_seed(0)
+        d = 512
+        self.model = torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.ReLU(),
+                                         torch.nn.Linear(d, d))
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.x = torch.randn(64, d)
+        self.y = torch.randn(64, d)
+
+    def step(self) -> None:
+        self.opt.zero_grad()
+        loss = ((self.model(self.x) - self.y) ** 2).mean()
+        loss.backward()
+        self.opt.step()
+
+    def rate(self, seconds: float = 0.5) -> float:
+        """Steps per second alone, over `seconds`."""
+        t0 = time.perf_counter()
+        n = 0
+        while time.perf_counter() - t0 < seconds:
+            self.step()
+            n += 1
+        return n / (time.perf_counter() - t0)
+
+    def until(self, done) -> int:
+        """Step until `done()`; the number of steps made."""
+        n = 0
+        while not done():
+            self.step()
+            n += 1
+        return n
+
+
+def remote_worker(methods: list[str], nbytes: int, repeats: int, workdir: str,
+                  caps: list[float]) -> list[dict]:
+    """Every method saves the same state to s3:// on a moto server behind each upload cap,
+    interleaved (round-robin over caps and methods, the order rotating). After each save
+    returns, the training loop steps until that save is complete; then the next save."""
+    from benchmarks._s3 import S3Process
+
+    state = model_like_state(nbytes)
+    trainer = _Trainer()
+    state.update({f"trained.{k}": v for k, v in trainer.model.state_dict().items()})
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    with S3Process({}, upload_caps=caps) as server:
+        savers, extra = {}, {}
+        for cap in caps:
+            for m in methods:
+                extra[cap, m] = {}
+                savers[cap, m] = make_remote_saver(m, state, server.capped[cap],
+                                                   f"cap{int(cap)}/{m}", workdir, extra[cap, m])
+        rec = {key: {"blocking": [], "complete": [], "steps": [], "kept": [], "alone": []}
+               for key in savers}
+        cold = {}
+        for r in range(repeats + 1):  # round 0: the cold saves
+            for cap in caps:
+                order = methods[r % len(methods):] + methods[: r % len(methods)]
+                for m in order:
+                    alone = trainer.rate()
+                    save = savers[cap, m]
+                    t0 = time.perf_counter()
+                    done = save(r)
+                    blocked = time.perf_counter() - t0
+                    steps = trainer.until(done)
+                    save.finish()
+                    complete = time.perf_counter() - t0
+                    print(f"    {size >> 20} MiB cap {cap / 1e6:.0f} MB/s {m:16s} round {r}: "
+                          f"blocking {blocked:.2f}s complete {complete:.2f}s steps {steps}",
+                          file=sys.stderr, flush=True)
+                    if r == 0:
+                        cold[cap, m] = blocked
+                        continue
+                    g = rec[cap, m]
+                    g["blocking"].append(blocked)
+                    g["complete"].append(complete)
+                    g["steps"].append(steps)
+                    g["alone"].append(alone)
+                    upload = complete - blocked
+                    g["kept"].append(steps / (alone * upload) if upload > 0.01 else 0.0)
+        nxt = {}
+        for cap in caps:  # a save called while the previous one is still in flight
+            for m in methods:
+                if m == "torch.save+put":
+                    continue
+                save = savers[cap, m]
+                t0 = time.perf_counter()
+                save(repeats + 1)
+                first = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                done = save(repeats + 2)
+                second = time.perf_counter() - t1
+                trainer.until(done)
+                save.finish()
+                nxt[cap, m] = {"next_first_blocking_s": first, "next_blocking_s": second,
+                               "next_complete_s": time.perf_counter() - t0,
+                               **extra[cap, m].pop("next", {})}
+        for saver in savers.values():
+            saver.close()
+    rows = []
+    for (cap, m), g in rec.items():
+        rows.append({
+            "method": m, "cap": cap, "bytes": size, "repeats": repeats,
+            "cold_blocking_s": cold[cap, m],
+            "blocking_s": statistics.median(g["blocking"]),
+            "complete_s": statistics.median(g["complete"]),
+            "steps": statistics.median(g["steps"]),
+            "steps_per_s_alone": statistics.median(g["alone"]),
+            "train_kept": statistics.median(g["kept"]),
+            "complete_all": g["complete"],
+            **nxt.get((cap, m), {}), **extra[cap, m],
+        })
+    return rows
+
+
+def make_remote_saver(method: str, state: dict, endpoint, prefix: str, workdir: str, out: dict):
+    """`save(i) -> done` (a callable: is the save complete?) for `method`, to
+    s3://bench/<prefix> through `endpoint` (an S3Endpoint). `save.finish()` waits for (and
+    checks) the last save and removes what older ones left; `save.close()` at the end."""
+    import fsspec
+    import torch
+
+    # s3fs's default read timeout (15 s) is shorter than moto's completion of a large multipart
+    # upload on a loaded machine (35 s seen for 1 GiB on 2 shared cores); the client's repeat
+    # of the completion then collides with the first one in moto (which is not idempotent
+    # there, as it is on S3) and the save fails. The same longer timeout for every method.
+    opts = endpoint.fsspec_options()
+    opts["config_kwargs"] = {"read_timeout": 600}
+    url = endpoint.url(prefix)
+    fs = fsspec.filesystem("s3", skip_instance_cache=True, **opts)
+    local = os.path.join(workdir, prefix.replace("/", "_"))
+    os.makedirs(local, exist_ok=True)
+
+    if method == "shardloader":
+        from shardloader.checkpoint import Checkpointer
+
+        ck = Checkpointer(url, keep=1, storage_options=opts,
+                          staging_dir=os.path.join(local, "staging"))
+        handles = []
+
+        def save(i):
+            handles.append(ck.save(i, model=_Dict(state)))
+            if len(handles) == 2:  # the second of a pair saved back to back
+                out["next"] = {"next_busy_wait_s": handles[1].timings.get("busy_wait_s", 0.0)}
+            return handles[-1].done
+
+        def finish():
+            for h in handles:
+                h.wait()
+            out["phases"] = {k: round(v, 3) for k, v in handles[-1].timings.items()}
+            handles.clear()
+        save.finish, save.close = finish, ck.close
+        return save
+
+    if method == "torch.save+put":
+        uploaded = []
+
+        def save(i):
+            path = os.path.join(local, f"{i}.pt")
+            t0 = time.perf_counter()
+            with open(path, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+            t1 = time.perf_counter()
+            fs.put_file(path, f"{url}/{i}.pt")
+            out.setdefault("put_all", []).append(time.perf_counter() - t1)
+            out.setdefault("write_all", []).append(t1 - t0)
+            uploaded.append((path, f"{url}/{i}.pt"))
+            return lambda: True
+
+        def finish():  # outside the timing: drop the local file, keep the last upload
+            os.unlink(uploaded[-1][0])
+            while len(uploaded) > 1:
+                fs.rm_file(uploaded.pop(0)[1])
+
+        save.finish, save.close = finish, lambda: None
+        return save
+
+    if method == "dcp.async_save":
+        import warnings
+
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        warnings.filterwarnings("ignore")
+        futures, written = [], []
+
+        def save(i):
+            writer = FsspecWriter(f"{url}/{i}", **opts)
+            futures.append(dcp.async_save(state, storage_writer=writer, no_dist=True))
+            written.append(f"{url}/{i}")
+            return futures[-1].done
+
+        def finish():
+            for f in futures:
+                f.result()
+            futures.clear()
+            while len(written) > 1:  # keep the last, as the Checkpointer's keep=1 does
+                fs.rm(written.pop(0), recursive=True)
+
+        save.finish, save.close = finish, lambda: None
+        return save
+    raise ValueError(method)
+
+
+def remote_main(args) -> None:
+    methods = args.methods.split(",") if args.methods else REMOTE_METHODS
+    repeats = args.repeats if args.repeats is not None else 3
+    base = args.dir or tempfile.mkdtemp(prefix="ckpt-bench-", dir="/tmp")
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(root, "src"), root]))
+    rows: list[dict] = []
+    try:
+        for size_text in (args.sizes or "256M").split(","):
+            nbytes = parse_size(size_text)
+            workdir = os.path.join(base, "work")
+            os.makedirs(workdir, exist_ok=True)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--repeats", str(repeats), "--caps", args.caps,
+                 "--worker", "remote", ",".join(methods), str(nbytes), workdir],
+                stdout=subprocess.PIPE, text=True, env=env)
+            shutil.rmtree(workdir, ignore_errors=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"remote {size_text}: failed ({proc.returncode})")
+            for row in json.loads(proc.stdout.strip().splitlines()[-1]):
+                row["size"] = size_text
+                rows.append(row)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    print_remote_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def print_remote_table(rows: list[dict]) -> None:
+    n = rows[0]["repeats"] if rows else "?"
+    print(f"\ncheckpoint to s3:// (moto on 127.0.0.1) behind an upload cap (the tests' FaultProxy, "
+          f"upload_bandwidth), CPU; medians of {n} saves per method after a cold one, methods and "
+          "caps interleaved in one process.\nblocking: save() until it returns; complete: until "
+          "the checkpoint is whole at the destination (training steps meanwhile); MB/s: bytes / "
+          "complete; steps: training steps made between the two; kept: those steps over what "
+          "the loop makes alone in that time; vs torch.save+put: its median over this method's.")
+    header = (f"{'size':>5} {'cap':>8} {'method':16s} {'blocking':>9} {'vs t.s+put':>10} "
+              f"{'cold':>7} {'complete':>9} {'vs t.s+put':>10} {'MB/s':>6} {'steps':>6} "
+              f"{'kept':>5}")
+    print(header)
+    print("-" * len(header))
+    for size in dict.fromkeys(r["size"] for r in rows):
+        for cap in dict.fromkeys(r["cap"] for r in rows if r["size"] == size):
+            group = {r["method"]: r for r in rows if r["size"] == size and r["cap"] == cap}
+            ref = group.get("torch.save+put")
+            for m, r in group.items():
+                vb = f"{ref['blocking_s'] / r['blocking_s']:9.1f}x" if ref else "         -"
+                vc = f"{ref['complete_s'] / r['complete_s']:9.2f}x" if ref else "         -"
+                print(f"{size:>5} {cap / 1e6:4.0f}MB/s {m:16s} {r['blocking_s']:8.2f}s {vb} "
+                      f"{r['cold_blocking_s']:6.2f}s {r['complete_s']:8.2f}s {vc} "
+                      f"{r['bytes'] / r['complete_s'] / 1e6:6.1f} {r['steps']:6.0f} "
+                      f"{r['train_kept']:5.2f}")
+            if ref and "put_all" in ref:
+                print(f"{'':>5} {'':>8} torch.save+put: write {statistics.median(ref['write_all']):.2f}s"
+                      f" + put {statistics.median(ref['put_all']):.2f}s; the cap alone: "
+                      f"{ref['bytes'] / cap:.2f}s; training alone "
+                      f"{ref['steps_per_s_alone']:.0f} steps/s")
+            for m, r in group.items():
+                if "next_blocking_s" in r:
+                    busy = (f", of which waiting for the one in flight {r['next_busy_wait_s']:.2f}s"
+                            if "next_busy_wait_s" in r else "")
+                    print(f"{'':>5} {'':>8} next save while one is in flight, {m}: blocks "
+                          f"{r['next_blocking_s']:.2f}s{busy} (the first of the pair "
+                          f"{r['next_first_blocking_s']:.2f}s; both complete after "
+                          f"{r['next_complete_s']:.2f}s)")
+            if "shardloader" in group and "phases" in group["shardloader"]:
+                print(f"{'':>5} {'':>8} shardloader phases of the last save (s): "
+                      f"{group['shardloader']['phases']}")
 
 
 if __name__ == "__main__":
