@@ -59,7 +59,8 @@ def _reference_batch(ds, transform, seed, epoch, samples, seed_globals):
             np.random.seed([key & 0xFFFF_FFFF, key >> 32])
             torch.manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
         result = transform(ds[s], generator=sample_generator(key))
-        result.setdefault("__index__", s)
+        if isinstance(result, dict):
+            result.setdefault("__index__", s)
         out.append(result)
     return default_collate(out)
 
@@ -188,3 +189,83 @@ def test_direct_path_falls_back_for_records_with_different_fields(image_dataset)
     records = image_dataset.get_many(np.array([1, 2]))
     del records[1]["label"]
     assert producer._direct_batch(BatchTask(1, 0, 0, np.array([1, 2])), records, np.array([1, 2])) is None
+
+
+# -- the general path: any transform's batch collated straight into the worker's slot ---------
+
+
+def _user_function(sample, generator=None):
+    """A user's own function over the built-in transforms, with a field of its own."""
+    image = ToTensor()(DecodeCropFlip(16, field="jpg")(sample, generator=generator))["image"]
+    return {"img": image, "label": sample["label"], "mean": image.view(3, -1).float().mean(dim=1),
+            "name": sample["name"]}
+
+
+def _user_function_globals(sample, **kwargs):
+    """Draws from the global RNGs (a bare **kwargs is handed no generator): seeded per sample
+    by the producer. Returns a tuple: the batch is a list of columns."""
+    image = DecodeCropFlip(16, field="jpg")(sample)["image"]
+    return (torch.from_numpy(image).permute(2, 0, 1), sample["label"], np.random.rand(2))
+
+
+def _resizing(sample, generator=None):
+    """Output shape depends on the sample: batches mixing shapes fail as collate fails; a
+    batch of one shape works."""
+    size = 16 if sample["label"] % 2 else 12
+    return {"img": DecodeCropFlip(size, field="jpg")(sample, generator=generator)["image"]}
+
+
+def _writer_and_reader():
+    import multiprocessing
+
+    from shardloader.loader.workers.slots import SlotReader, SlotWriter
+
+    returns = multiprocessing.get_context("fork").SimpleQueue()
+    return SlotWriter(returns), SlotReader([returns])
+
+
+@pytest.mark.parametrize("transform,seed_globals", [
+    (_user_function, True),
+    (_user_function_globals, True),
+    (Compose([DecodeCropFlip((12, 20), field="jpg", out="x"), ToTensor(field="x")]), False),
+])
+@pytest.mark.parametrize("in_slot", [False, True])
+def test_general_path_batches_are_the_reference_batches(mixed_image_dataset, transform,
+                                                        seed_globals, in_slot):
+    """Any transform: the batch collated sample by sample (in a worker, into its slot) is the
+    per-sample transforms' default_collate, bit for bit, after its trip through the slot too."""
+    producer = BatchProducer(mixed_image_dataset, seed=3, transform=transform)
+    producer._direct = None  # the general path is the one under test (not the fused one)
+    writer = reader = None
+    if in_slot:
+        writer, reader = _writer_and_reader()
+        producer.allocate, producer.allocate_many = writer.allocate, writer.allocate_many
+    samples = np.array([29, 3, 10, 17, 3, 0, 24, 10])
+    for epoch in (2, 5):  # a second batch reuses the slot the first one gave back
+        batch, _ = producer(BatchTask(1, epoch, 0, samples))
+        if writer is not None:
+            images = batch["img" if isinstance(batch, dict) and "img" in batch else "x"] \
+                if isinstance(batch, dict) else batch[0]
+            slot = writer._slots[writer._reserved[0]]  # the images were collated into the slot
+            assert 0 <= images.data_ptr() - slot.data_ptr() < slot.numel()
+            batch = reader.unpack(0, writer.pack(batch), wanted=True)
+        expected = _reference_batch(mixed_image_dataset, transform, 3, epoch, samples, seed_globals)
+        assert_identical(batch, expected)
+        del batch
+        if reader is not None:
+            reader.give_back_freed()
+
+
+def test_general_path_takes_changing_shapes_like_collate(mixed_image_dataset):
+    writer, reader = _writer_and_reader()
+    producer = BatchProducer(mixed_image_dataset, seed=1, transform=_resizing)
+    producer.allocate, producer.allocate_many = writer.allocate, writer.allocate_many
+    labels = np.array([mixed_image_dataset[i]["label"] for i in range(len(mixed_image_dataset))])
+    odd, even = np.flatnonzero(labels % 2 == 1)[:3], np.flatnonzero(labels % 2 == 0)[:3]
+    for samples in (odd, even, odd):  # each batch one shape, another than the batch before
+        batch, _ = producer(BatchTask(1, 0, 0, samples))
+        expected = _reference_batch(mixed_image_dataset, _resizing, 1, 0, samples, True)
+        assert_identical(reader.unpack(0, writer.pack(batch), wanted=True), expected)
+    mixed = np.concatenate([odd[:2], even[:1]])
+    with pytest.raises(RuntimeError, match="equal size"):
+        producer(BatchTask(2, 0, 0, mixed))

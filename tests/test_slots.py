@@ -294,3 +294,47 @@ def test_a_batch_that_was_not_sent_gives_its_slot_back(pair):
     packed = writer.pack({"x": torch.full((4,), 2.0)})
     assert packed.slot == lost.slot and set(lost.new_slots) <= set(packed.new_slots)
     assert torch.equal(reader.unpack(0, packed, wanted=True)["x"], torch.full((4,), 2.0))
+
+
+def test_a_batch_collated_into_allocated_tensors_travels_without_a_copy(pair, monkeypatch):
+    """`allocate_many`: the tensors a batch is collated into lie in one slot, each on a storage
+    of its own; `pack` copies none of them (only what was made elsewhere), and each comes back
+    on a storage of exactly its bytes, as collate's private tensors would."""
+    writer, reader = pair
+    images, means = writer.allocate_many([((4, 3, 5, 6), torch.uint8), ((4, 3), torch.float32)])
+    images.copy_(torch.arange(4 * 3 * 5 * 6).view(4, 3, 5, 6).to(torch.uint8))
+    means.copy_(torch.linspace(0, 1, 12).view(4, 3))
+    assert images.untyped_storage().data_ptr() != means.untyped_storage().data_ptr()
+    batch = {"img": images, "mean": means, "label": torch.arange(4), "names": ["a", "b", "c", "d"]}
+    expected = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    copied = []
+    real = slots._storage_bytes
+    monkeypatch.setattr(slots, "_storage_bytes", lambda s: (copied.append(s.data_ptr()), real(s))[1])
+    packed = writer.pack(batch)
+    monkeypatch.undo()
+    assert copied == [batch["label"].untyped_storage().data_ptr()]  # only the label was copied
+    assert packed.spans[0] == (0, 4 * 3 * 5 * 6) and packed.spans[1][0] % 64 == 0
+    out = reader.unpack(0, packed, wanted=True)
+    assert_identical(out, expected)
+    assert out["img"].untyped_storage().nbytes() == 4 * 3 * 5 * 6
+    assert out["mean"].untyped_storage().nbytes() == 4 * 3 * 4
+    del out
+    reader.give_back_freed()
+    # The slot came back: the next batch is collated into it again, and a batch that did not
+    # use its allocation (it fell back to collate's own tensors) gives it back.
+    again = writer.allocate_many([((4, 3, 5, 6), torch.uint8)])[0]
+    assert again.untyped_storage().data_ptr() == images.untyped_storage().data_ptr()
+    unused = {"img": torch.ones(4, 3, 5, 6, dtype=torch.uint8)}
+    packed = writer.pack(unused)
+    assert_identical(reader.unpack(0, packed, wanted=True), unused)
+
+
+def test_tensors_allocated_together_that_outgrow_the_slot_are_copied_into_a_larger_one(pair):
+    writer, reader = pair
+    small = writer.allocate_many([((16,), torch.uint8), ((2,), torch.int64)])
+    small[0].copy_(torch.arange(16, dtype=torch.uint8))
+    small[1].copy_(torch.tensor([5, 6]))
+    big = torch.arange(1 << 19, dtype=torch.int64)  # 4 MiB: more than the slot has left
+    batch = {"a": small[0], "b": small[1], "big": big}
+    expected = {k: v.clone() for k, v in batch.items()}
+    assert_identical(reader.unpack(0, writer.pack(batch), wanted=True), expected)

@@ -79,6 +79,7 @@ def _worker_main(start: WorkerStart, producer: BatchProducer, tasks: Any, result
     progress.begin(worker_id, "slots")
     writer = SlotWriter(returned_slots)
     producer.allocate = writer.allocate  # the direct batch path builds images in a slot
+    producer.allocate_many = writer.allocate_many  # the general path collates into a slot
     progress.finish(worker_id)
     while True:
         try:

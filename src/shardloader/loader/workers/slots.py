@@ -86,8 +86,9 @@ def _storage_bytes(storage: torch.UntypedStorage) -> np.ndarray:
     return torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
 
 
-#: What `allocate` reserved: (slot, the tensor made there, its new storage and retired ids).
-_Reservation = tuple[int, torch.Tensor, dict[int, torch.UntypedStorage], tuple[int, ...]]
+#: What `allocate` (or `allocate_many`) reserved: (slot, the tensor(s) made there, its new
+#: storage and retired ids).
+_Reservation = tuple[int, Any, dict[int, torch.UntypedStorage], tuple[int, ...]]
 
 
 class SlotWriter:
@@ -118,6 +119,29 @@ class SlotWriter:
         self._reserved = (slot, tensor, new_slots, retired)
         return tensor
 
+    def allocate_many(self, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+        """Uninitialised contiguous tensors of these (shape, dtype)s, one after the other in one
+        free slot, for the producer to collate a batch into (`shardloader.loader.collate.
+        BatchBuilder`): `pack` then finds each where it is and copies none of them.
+
+        Each tensor has a storage of its own (a numpy view of its bytes of the slot, as
+        `torch.from_numpy` makes it), so that the batch's tensors travel as separate spans and
+        come back on separate storages of exactly their bytes, as collate's private tensors
+        would. Like `allocate`, a reservation the next `pack` does not use goes back."""
+        self._release_reserved()
+        sizes = [_aligned(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+                 for shape, dtype in specs]
+        slot, new_slots, retired = self._take(sum(sizes) + _RESERVE_EXTRA)
+        flat = self._slots[slot].numpy()
+        tensors, offset = [], 0
+        for (shape, dtype), nbytes in zip(specs, sizes):
+            count = math.prod(shape)
+            size = count * torch.empty((), dtype=dtype).element_size()
+            tensors.append(torch.from_numpy(flat[offset:offset + size]).view(dtype)[:count].view(shape))
+            offset += nbytes
+        self._reserved = (slot, tensors, new_slots, retired)
+        return tensors
+
     def _release_reserved(self) -> None:
         """Give an unused reservation's slot back; the new storage and retired ids it made must
         still reach the loader, with the next batch."""
@@ -146,17 +170,18 @@ class SlotWriter:
                reserved: _Reservation | None) -> Packed:
         """The spans copied into a slot (the reserved one where they fit after what was
         built in it), and the Packed that says where."""
-        # Spans on the reserved slot's storage (the tensor `allocate` made, and views of it)
-        # lie in it already, where they are: they stay there, the rest goes after them.
-        base = None if reserved is None else self._slots[reserved[0]].untyped_storage().data_ptr()
-        placed = [span.storage.data_ptr() == base for span in spans]
+        # Spans in the reserved slot's memory (the tensors `allocate` or `allocate_many` made,
+        # and views of them) lie in it already, where they are: they stay there, the rest goes
+        # after them. `inside`: each span's offset in the slot, or None.
+        inside = self._inside(spans, reserved)
+        placed = [offset is not None for offset in inside]
         if reserved is not None and not any(placed):  # not in this batch: the slot is free again
             self._reserved = reserved
             self._release_reserved()
             reserved = None
         if not spans:  # no tensor has bytes: nothing needs a slot
             return Packed(structure, None, (), tuple(specs), {}, ())
-        offsets, end = self._offsets(spans, placed)
+        offsets, end = self._offsets(spans, inside)
         if reserved is not None and self._slots[reserved[0]].numel() >= end:
             slot, new_slots, retired = reserved[0], reserved[2], reserved[3]
         else:
@@ -164,7 +189,7 @@ class SlotWriter:
                 self._reserved = reserved
                 self._release_reserved()
                 placed = [False] * len(spans)
-                offsets, end = self._offsets(spans, placed)
+                offsets, end = self._offsets(spans, [None] * len(spans))
             slot, new_slots, retired = self._take(end)
         buffer = self._slots[slot].numpy()
         for span, offset, in_place in zip(spans, offsets, placed):
@@ -174,14 +199,27 @@ class SlotWriter:
         where = tuple((offset, span.nbytes) for offset, span in zip(offsets, spans))
         return Packed(structure, slot, where, tuple(specs), new_slots, retired)
 
+    def _inside(self, spans: list[Span], reserved: _Reservation | None) -> list[int | None]:
+        """For each span, its offset in the reserved slot if its bytes lie there, else None."""
+        if reserved is None:
+            return [None] * len(spans)
+        slot = self._slots[reserved[0]]
+        base, size = slot.data_ptr(), slot.numel()
+        inside: list[int | None] = []
+        for span in spans:
+            offset = span.storage.data_ptr() - base + span.start
+            inside.append(offset if 0 <= offset and offset + span.nbytes <= size else None)
+        return inside
+
     @staticmethod
-    def _offsets(spans: list[Span], placed: list[bool]) -> tuple[list[int], int]:
-        """Where each span goes in the slot (placed ones where they are), and the bytes used."""
-        end = max((_aligned(s.start + s.nbytes) for s, p in zip(spans, placed) if p), default=0)
+    def _offsets(spans: list[Span], inside: list[int | None]) -> tuple[list[int], int]:
+        """Where each span goes in the slot (those `inside` it where they are), and the bytes
+        used."""
+        end = max((_aligned(o + s.nbytes) for s, o in zip(spans, inside) if o is not None), default=0)
         offsets = []
-        for span, in_place in zip(spans, placed):
-            if in_place:
-                offsets.append(span.start)
+        for span, offset in zip(spans, inside):
+            if offset is not None:
+                offsets.append(offset)
             else:
                 offsets.append(end)
                 end += _aligned(span.nbytes)
