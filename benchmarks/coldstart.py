@@ -1,0 +1,463 @@
+"""The cold first batch from S3, phase by phase: where the time from `import shardloader` to
+the first batch goes.
+
+Layout (issue 24's, near enough): `benchmarks._images` JPEGs of 128-256 px (~14.6 KiB on
+average; the issue's are ~11 KiB), 1,000 per shard (14.8 MB per shard; `--images 20000` is its
+20 shards), served by moto on loopback (`benchmarks._s3`, its own
+process). Each try is a fresh interpreter with an empty cache directory, reading the first batch
+(64 samples, shuffled, `Compose([DecodeCropFlip(112), ToTensor()])`, the settings of
+`benchmarks.speed`) with `--workers` 0 and 2, alternated.
+
+What is timed, in the child, on one clock (`time.perf_counter`, CLOCK_MONOTONIC: the same in
+forked workers):
+
+* imports: `import torch`, then `import shardloader` (+ `Dataset`, `Loader`, the transforms),
+  then the internals this benchmark wraps (which `Dataset()`/`iter()` would import otherwise);
+* `Dataset()`: its total, and the index GET inside it;
+* `Loader()`;
+* `next(iter(loader))`, split into: the epoch's set-up before priming (capacity check), priming
+  (the range sidecars' round, then the rows' spans round: requests, bytes, and the concurrency
+  reached), worker start (the fork, `PoolKeeper.get`), a worker's own set-up until it starts
+  its first task, the task (reading rows, then decode + transform + collate, from the loader's
+  `BatchTimings`), and the hand-off (worker done -> `next()` returns in the training process);
+* the training process's garbage collections (`gc.callbacks`), and the next 4 batches, to see
+  whether a change removes time or only moves it past the first batch.
+
+The wrappers only record (start, end) of the library's own functions into a file of events
+(one JSON line each, appended by whichever process runs them); they change no behaviour. Every
+S3 GET of the library's S3 client is one event (so requests are counted, with their bytes,
+whoever sends them). Figures are medians of `--repeats` tries; on the shared 2-core machine
+they are noisy, the medians less so.
+
+    .venv/bin/python -m benchmarks.coldstart [--images 20000] [--repeats 3] [--workers 0,2]
+
+`--experiment` patches one proposed change into the children, for an A/B against `none` (the
+library as it is): `young-gc-at-pause-end` ends the loader's GC pause with a collection of the
+young generations only (the full collection the pause deferred is then not run inside
+`next()`), `gc-during-prime` runs the deferred collection while the training thread waits for
+the priming thread, `freeze-before-start` calls `gc.freeze()` when the epoch starts (before
+priming and the fork).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BATCH = 64
+SEED = 17
+SIZE = 112
+EVENTS_ENV = "SHARDLOADER_BENCH_EVENTS"
+EXPERIMENT_ENV = "COLDSTART_EXPERIMENT"
+
+# -- the child: one cold start, instrumented -----------------------------------------------------
+
+
+def _event(what: str, t0: float, t1: float, **extra: Any) -> None:
+    """Append one event to the events file (any process: O_APPEND, one write per line)."""
+    line = json.dumps({"what": what, "pid": os.getpid(), "t0": t0, "t1": t1, **extra}) + "\n"
+    fd = os.open(os.environ[EVENTS_ENV], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def _timed(owner: Any, name: str, what: str, describe: Any = None) -> None:
+    """Replace `owner.name` by a wrapper that records its (start, end) as event `what`."""
+    inner = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            out = inner(*args, **kwargs)
+        finally:
+            t1 = time.perf_counter()
+        _event(what, t0, t1, **(describe(args, kwargs, out) if describe else {}))
+        return out
+
+    wrapper.__wrapped__ = inner  # type: ignore[attr-defined]
+    setattr(owner, name, wrapper)
+
+
+def _instrument() -> None:
+    import threading
+
+    from shardloader.cache import sidecars
+    from shardloader.io import s3client
+    from shardloader.loader import batches, pool_keeper, prefetch_policy, recording
+    from shardloader.loader.workers import pool
+    from shardloader.source import ranged
+
+    _timed(s3client.S3Reader, "_get", "get", lambda a, k, out: {
+        "path": a[1], "lo": a[2], "hi": a[3], "bytes": len(out),
+        "thread": threading.current_thread().name})
+    _timed(ranged.RangeReads, "_load", "sidecars", lambda a, k, out: {"shards": len(a[1])})
+    _timed(ranged.RangeReads, "_fetch_spans", "spans", lambda a, k, out: {
+        "shards": len(a[1]), "spans": sum(len(x) for x in out)})
+    _timed(ranged.RangeReads, "_fetch_sidecars", "sidecar_gets")
+    _timed(sidecars, "_commit", "sidecar_commit")
+    _timed(ranged.RangeReads, "prime", "prime", lambda a, k, out: {"kept": out})
+    _timed(ranged.RangeReads, "read", "range_read")
+    _timed(ranged.RangeReads, "warm", "warm")
+    _timed(batches.BatchProducer, "warm_up", "warm_up")
+    _timed(prefetch_policy.EpochPrefetch, "__init__", "epoch_setup")
+    _timed(prefetch_policy.EpochPrefetch, "before_workers", "before_workers")
+    _timed(pool_keeper.PoolKeeper, "get", "pool_start")
+    _timed(prefetch_policy.EpochPrefetch, "start_deferred", "start_prefetch")
+    _timed(prefetch_policy, "shards_ahead", "shards_ahead")
+    _timed(recording.BatchRecorder, "record", "record")
+    _timed(pool.ProcessPool, "get", "pool_get")
+    _timed(batches.BatchProducer, "__call__", "task", lambda a, k, out: {
+        "step": a[1].step, "read_s": out[1].read_seconds, "transform_s": out[1].transform_seconds,
+        "wait_s": out[1].download_wait_seconds, "extra": dict(out[1].extra)})
+    if os.environ.get(EXPERIMENT_ENV) == "gc-during-prime":  # A/B for the proposal
+        import gc as _gc
+
+        def before_workers(self: Any, workers: Any) -> None:
+            # the same as EpochPrefetch._prime_first_batch, plus the deferred collection
+            # run on this thread while the priming thread waits for the server
+            if not (self.deferred and self.steps and workers.would_inherit()):
+                return
+            samples = self.plan.samples(self.epoch, self.steps[0])
+            thread = threading.Thread(target=self.dataset.prime, args=(samples,), daemon=True)
+            thread.start()
+            if workers.forks:
+                workers.producer.warm_up()
+            t0 = time.perf_counter()
+            _gc.collect()
+            _event("explicit_gc", t0, time.perf_counter())
+            thread.join(30.0)
+
+        prefetch_policy.EpochPrefetch.before_workers = before_workers
+        _timed(prefetch_policy.EpochPrefetch, "before_workers", "before_workers")
+    if os.environ.get(EXPERIMENT_ENV) == "young-gc-at-pause-end":  # A/B for a proposal
+        import contextlib
+        import gc as _gc
+
+        from shardloader.loader import epoch
+
+        @contextlib.contextmanager
+        def paused_then_young() -> Any:
+            was = _gc.isenabled()
+            _gc.disable()
+            try:
+                yield
+            finally:
+                if was:
+                    t0 = time.perf_counter()
+                    _gc.collect(1)  # the young generations only: the full one stays due
+                    _event("explicit_gc", t0, time.perf_counter())
+                    _gc.enable()
+
+        epoch.paused_gc = paused_then_young
+    if os.environ.get(EXPERIMENT_ENV) == "freeze-before-start":  # A/B for a proposal
+        import gc as _gc
+
+        from shardloader.loader import epoch
+
+        inner_start = epoch.EpochIterator._start
+
+        def frozen_start(self: Any) -> None:
+            t0 = time.perf_counter()
+            _gc.freeze()  # what exists now is left out of every later collection
+            _event("explicit_gc", t0, time.perf_counter())
+            inner_start(self)
+
+        epoch.EpochIterator._start = frozen_start
+    import gc
+
+    started: dict[str, float] = {}
+
+    def on_gc(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        elif "t" in started:
+            _event("gc", started.pop("t"), time.perf_counter(), generation=info["generation"],
+                   collected=info["collected"])
+
+    gc.callbacks.append(on_gc)
+    main = pool._worker_main
+
+    def worker_main(*args: Any, **kwargs: Any) -> Any:
+        _event("worker_enter", time.perf_counter(), time.perf_counter())
+        return main(*args, **kwargs)
+
+    pool._worker_main = worker_main
+
+
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    import torch  # noqa: F401 - a training script has it imported
+    t_torch = time.perf_counter()
+    from shardloader import Dataset, Loader
+    from shardloader.transforms import Compose, DecodeCropFlip, ToTensor
+    t_ours = time.perf_counter()
+    _instrument()
+    t_internals = time.perf_counter()
+    options = {"key": "testing", "secret": "testing",
+               "client_kwargs": {"endpoint_url": spec["endpoint"], "region_name": "us-east-1"}}
+    ds = Dataset(spec["url"], cache_dir=spec["cache_dir"], storage_options=options)
+    t_ds = time.perf_counter()
+    loader = Loader(ds, batch_size=BATCH, num_workers=spec["workers"], seed=SEED, tail="partial",
+                    shuffle=True, persistent_workers=spec["workers"] > 0,
+                    transform=Compose([DecodeCropFlip(SIZE), ToTensor()]))
+    t_loader = time.perf_counter()
+    it = iter(loader)
+    batch = next(it)
+    t_batch = time.perf_counter()
+    assert int(batch["__index__"].numel()) == BATCH
+    for _ in range(4):  # where the time moved to, if it did: the next batches
+        next(it)
+    t_fifth = time.perf_counter()
+    del it
+    counters = ds.source.counters()
+    loader.close()
+    ds.close()
+    return {"t_start": t_start, "t_torch": t_torch, "t_ours": t_ours, "t_internals": t_internals,
+            "t_ds": t_ds, "t_loader": t_loader, "t_batch": t_batch, "t_fifth": t_fifth, "pid": os.getpid(),
+            "parent_range_requests": counters.get("range_requests", 0),
+            "parent_range_bytes": counters.get("range_bytes", 0)}
+
+
+def run_try(spec: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """One cold start in a fresh interpreter and empty cache; its phases."""
+    cache = tempfile.mkdtemp(prefix="coldstart-", dir=os.path.join(ROOT, "benchmarks", "out"))
+    events = os.path.join(cache, "events.jsonl")
+    spec = {**spec, "cache_dir": os.path.join(cache, "cache")}
+    full_env = {**os.environ, **env, EVENTS_ENV: events, "PYTHONPATH": os.pathsep.join(
+        p for p in (os.environ.get("PYTHONPATH", ""), ROOT) if p)}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.coldstart", "--child", json.dumps(spec)],
+                              cwd=ROOT, env=full_env, capture_output=True, text=True, timeout=300)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("{")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(f"child failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        with open(events) as f:
+            evs = [json.loads(x) for x in f if x.strip()]
+        return phases(json.loads(lines[-1]), evs)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+
+
+# -- from events to phases ------------------------------------------------------------------------
+
+
+def _concurrency(gets: list[dict[str, Any]]) -> int:
+    """The most GETs in flight at once."""
+    marks = sorted([(g["t0"], 1) for g in gets] + [(g["t1"], -1) for g in gets])
+    most = now = 0
+    for _, d in marks:
+        now += d
+        most = max(most, now)
+    return most
+
+
+def _within(gets: list[dict[str, Any]], ev: dict[str, Any] | None) -> list[dict[str, Any]]:
+    if ev is None:
+        return []
+    return [g for g in gets if g["pid"] == ev["pid"] and g["t0"] >= ev["t0"] and g["t1"] <= ev["t1"]]
+
+
+def phases(c: dict[str, Any], evs: list[dict[str, Any]]) -> dict[str, Any]:
+    parent = c["pid"]
+    end = c["t_batch"]
+    gets = [e for e in evs if e["what"] == "get" and e["t0"] < end]
+    evs = [e for e in evs if e["t0"] < c["t_fifth"]]
+
+    def first(what: str, pid: int | None = parent, **match: Any) -> dict[str, Any] | None:
+        for e in sorted(evs, key=lambda e: e["t0"]):
+            if e["what"] == what and (pid is None or e["pid"] == pid) and \
+                    all(e.get(k) == v for k, v in match.items()):
+                return e
+        return None
+
+    out: dict[str, Any] = {
+        "import torch": c["t_torch"] - c["t_start"],
+        "import shardloader": c["t_ours"] - c["t_torch"],
+        "import internals": c["t_internals"] - c["t_ours"],
+        "Dataset()": c["t_ds"] - c["t_internals"],
+        "Loader()": c["t_loader"] - c["t_ds"],
+    }
+    index_gets = [g for g in gets if c["t_internals"] <= g["t0"] and g["t1"] <= c["t_ds"]]
+    out["  index GET"] = sum(g["t1"] - g["t0"] for g in index_gets)
+    setup, before, pool_start = first("epoch_setup"), first("before_workers"), first("pool_start")
+    prime = first("prime")
+    t_iter = c["t_loader"]
+    out["iter: set-up to priming"] = (before or setup or {"t0": t_iter})["t0"] - t_iter if setup else 0.0
+    if prime is not None:
+        side = [e for e in evs if e["what"] == "sidecars" and e["pid"] == parent
+                and e["t0"] >= prime["t0"] and e["t1"] <= prime["t1"]]
+        spans = [e for e in evs if e["what"] == "spans" and e["pid"] == parent
+                 and e["t0"] >= prime["t0"] and e["t1"] <= prime["t1"]]
+        side_gets = [g for s in side for g in _within(gets, s)]
+        span_gets = [g for s in spans for g in _within(gets, s)]
+        out["  prime: sidecars round"] = sum(s["t1"] - s["t0"] for s in side)
+        sg = [e for e in evs if e["what"] == "sidecar_gets" and e["pid"] == parent
+              and e["t0"] >= prime["t0"] and e["t1"] <= prime["t1"]]
+        sc = [e for e in evs if e["what"] == "sidecar_commit" and e["pid"] == parent
+              and e["t0"] >= prime["t0"] and e["t1"] <= prime["t1"]]
+        out["    sidecar GETs (wall)"] = sum(e["t1"] - e["t0"] for e in sg)
+        out["    sidecar commits (sum)"] = sum(e["t1"] - e["t0"] for e in sc)
+        out["  prime: spans round"] = sum(s["t1"] - s["t0"] for s in spans)
+        out["  prime: other"] = (prime["t1"] - prime["t0"]) - out["  prime: sidecars round"] \
+            - out["  prime: spans round"]
+        out["#sidecar GETs"] = len(side_gets)
+        out["#span GETs"] = len(span_gets)
+        out["span MB"] = sum(g["bytes"] for g in span_gets) / 1e6
+        out["sidecar MB"] = sum(g["bytes"] for g in side_gets) / 1e6
+        out["span GETs in flight (max)"] = _concurrency(span_gets)
+        out["span GET latency (median)"] = statistics.median(
+            [g["t1"] - g["t0"] for g in span_gets]) if span_gets else 0.0
+        out["shards primed"] = spans[0]["shards"] if spans else 0
+    if before is not None:
+        out["iter: priming (before fork)"] = before["t1"] - before["t0"]
+        warm = first("warm_up")
+        out["  warm_up (overlaps priming)"] = (warm["t1"] - warm["t0"]) if warm else 0.0
+    if pool_start is not None:
+        out["iter: worker start (fork)"] = pool_start["t1"] - pool_start["t0"]
+    task = first("task", None, step=0)
+    if task is not None:
+        if task["pid"] != parent:
+            enter = [e for e in evs if e["what"] == "worker_enter" and e["pid"] == task["pid"]]
+            out["worker: set-up to first task"] = task["t0"] - (pool_start["t1"] if pool_start else task["t0"])
+            out["  worker entered, rel. to fork end"] = enter[0]["t0"] - pool_start["t1"] if enter and pool_start else 0.0
+        else:
+            out["iter: after pool to task"] = task["t0"] - (pool_start["t1"] if pool_start else task["t0"])
+        out["task: read rows"] = task["read_s"] + task["wait_s"]
+        out["task: decode+transform+collate"] = task["transform_s"]
+        out["task: other"] = (task["t1"] - task["t0"]) - out["task: read rows"] - out["task: decode+transform+collate"]
+        out["#GETs in the task"] = int(task["extra"].get("range_requests", 0)) if task["pid"] != parent else \
+            len(_within(gets, task))
+        out["hand-off to next()"] = end - task["t1"]
+        got = first("pool_get")
+        if got is not None and task["pid"] != parent:
+            out["  worker done -> pool.get returns"] = got["t1"] - task["t1"]
+        for what, name in (("start_prefetch", "  start deferred prefetch"),
+                           ("shards_ahead", "    of which shards_ahead"), ("record", "  record batch")):
+            e = first(what)
+            if e is not None and e["t0"] < end:
+                out[name] = e["t1"] - e["t0"]
+                if what == "start_prefetch":
+                    out["  prefetch started -> next() returns"] = end - e["t1"]
+    collections = [e for e in evs if e["what"] == "gc" and e["pid"] == parent and e["t0"] < end]
+    explicit = first("explicit_gc")
+    if explicit is not None:
+        out["  explicit GC (experiment)"] = explicit["t1"] - explicit["t0"]
+    out["GC in training process (sum)"] = sum(e["t1"] - e["t0"] for e in collections
+                                              if e["t0"] >= c["t_internals"])
+    if task is not None:
+        late = [e for e in collections if e["t0"] >= task["t1"]]
+        out["  GC during hand-off"] = sum(e["t1"] - e["t0"] for e in late)
+        out["#full GCs in hand-off"] = sum(e["generation"] == 2 for e in late)
+        out["  hand-off less GC"] = out["hand-off to next()"] - out["  GC during hand-off"]
+    out["#GETs before batch (all)"] = len(gets)
+    out["batches 2-5 (after the first)"] = c["t_fifth"] - end
+    out["#full GCs in batches 2-5"] = sum(e["generation"] == 2 for e in evs if e["what"] == "gc"
+                                           and e["pid"] == parent and end <= e["t0"] < c["t_fifth"])
+    out["from Dataset() to batch"] = end - c["t_internals"]
+    out["from Loader() to batch"] = end - c["t_ds"]
+    out["from import to batch"] = end - c["t_start"]
+    out["from import shardloader to batch"] = end - c["t_torch"]
+    return out
+
+
+def server_costs(at: Any, images: Any, n: int = 10) -> str:
+    """What one GET costs on this server, sequential (nothing in flight beside it): a 16 KiB
+    range of a shard (~11-15 MB object) and of its range sidecar (a small object), and 8 such
+    shard ranges at once. Evidence for the spans round: moto reads the whole object per GET."""
+    import concurrent.futures
+
+    from shardloader.io.s3client import s3_reader
+
+    reader = s3_reader(at.url("arrow"), at.fsspec_options())
+    assert reader is not None
+    with open(os.path.join(images.arrow_dir, "index.json")) as f:
+        shard = json.load(f)["shards"][0]["path"]
+    base = at.url("arrow")[len("s3://"):]
+
+    def each(path: str) -> float:
+        reader.cat_file(path, 0, 16384)  # a connection, warm
+        t0 = time.perf_counter()
+        for _ in range(n):
+            reader.cat_file(path, 0, 16384)
+        return (time.perf_counter() - t0) / n
+
+    big, small = each(f"{base}/{shard}"), each(f"{base}/{shard}.ranges")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(lambda i: reader.cat_file(f"{base}/{shard}", i * 16384, (i + 1) * 16384), range(8 * n)))
+        eight = (time.perf_counter() - t0) / n
+    return (f"server cost per GET (sequential, mean of {n}): 16 KiB of a shard {big * 1000:.1f} ms, "
+            f"of a sidecar {small * 1000:.1f} ms; 8 shard ranges at once: {eight * 1000:.1f} ms per round")
+
+
+# -- the table -------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=20_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", default="0,2")
+    parser.add_argument("--experiment", default="none",
+                        choices=["none", "gc-during-prime", "young-gc-at-pause-end", "freeze-before-start"],
+                        help="diagnosis only: run the children with one proposed change patched in "
+                             "(see _instrument); 'none' measures the library as it is")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))), flush=True)
+        return
+
+    from benchmarks._common import load_average
+    from benchmarks._images import describe, prepare_images
+    from benchmarks._s3 import S3Process
+
+    images = prepare_images(args.images)
+    workers = [int(w) for w in args.workers.split(",")]
+    runs: dict[int, list[dict[str, Any]]] = {w: [] for w in workers}
+    print(f"# cold first batch from S3 (moto on loopback, empty cache, fresh process per try); "
+          f"experiment: {args.experiment}\n"
+          f"{describe(images)}; batch {BATCH}, shuffled, Compose([DecodeCropFlip({SIZE}), ToTensor()]); "
+          f"{load_average()}", flush=True)
+    with S3Process({"arrow": images.arrow_dir}) as server:
+        print(server_costs(server.at, images), flush=True)
+        for r in range(args.repeats):
+            for w in workers:
+                got = run_try({"url": server.at.url("arrow"), "endpoint": server.at.endpoint, "workers": w},
+                              {**server.at.env(), EXPERIMENT_ENV: args.experiment})
+                runs[w].append(got)
+                print(f"  try {r + 1}, {w} workers: {got['from Dataset() to batch']:.3f} s from Dataset(), "
+                      f"{got['from import to batch']:.3f} s from import", flush=True)
+    keys: list[str] = []
+    for w in workers:
+        for got in runs[w]:
+            keys += [k for k in got if k not in keys]
+    head = f"{'phase (median of ' + str(args.repeats) + ')':44s}" + "".join(f"{f'{w} workers':>14}" for w in workers)
+    print("\n" + head + "\n" + "-" * len(head))
+    for k in keys:
+        cells = []
+        for w in workers:
+            vals = [got[k] for got in runs[w] if k in got]
+            if not vals:
+                cells.append(f"{'-':>14}")
+                continue
+            m = statistics.median(vals)
+            seconds = not (k.startswith("#") or "MB" in k or "max" in k or k.startswith("shards"))
+            cells.append(f"{m * 1000:11.1f} ms" if seconds else f"{m:14.1f}")
+        print(f"{k:44s}" + "".join(cells))
+    print(f"\nload while measuring: {load_average()} (2 shared cores: medians, noisy)\ngoal: <= 0.4 s to the first batch")
+
+
+if __name__ == "__main__":
+    main()
