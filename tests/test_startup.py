@@ -66,3 +66,50 @@ def test_building_a_dataset_pauses_the_collector_and_restores_it(dataset_dir, gc
     Dataset(dataset_dir)
     assert during == [False]
     assert gc.isenabled()
+
+
+class _Node:
+    """A GC-tracked object in a reference cycle."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_what_a_pause_allocated_is_promoted_uncollected(gc_enabled):
+    """At the end of a pause its survivors go to the oldest generation without a collection
+    (one would walk them all, promote them and set off a full collection in the first next()),
+    and none of them was frozen for good."""
+    gc.collect()
+    collections = []
+
+    def note(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    with paused_gc():
+        kept = [_Node() for _ in range(50_000)]
+    gc.callbacks.append(note)
+    try:
+        more = [_Node() for _ in range(500)]  # what the next allocations would have collected
+    finally:
+        gc.callbacks.remove(note)
+    assert collections == []  # not even a young collection: the pause's objects left gen 0
+    assert gc.get_freeze_count() == 0
+    oldest = {id(o) for o in gc.get_objects(generation=2)}
+    assert id(kept[0]) in oldest and id(kept[-1]) in oldest
+    del kept, more
+    assert gc.collect() >= 50_000  # cyclic garbage among them is still collected by a full pass
+
+
+def test_a_pause_leaves_what_the_application_froze_alone(gc_enabled):
+    frozen = [_Node() for _ in range(100)]
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        with paused_gc():
+            young = _Node()
+        assert gc.get_freeze_count() == before  # still frozen, nothing added
+        assert id(young) not in {id(o) for o in gc.get_objects(generation=2)}
+    finally:
+        gc.unfreeze()
+    del frozen
