@@ -327,7 +327,8 @@ TRAINER = textwrap.dedent("""
     import json, multiprocessing, os, sys, time
     from shardloader.telemetry import BatchRecord, MLflowLogger
 
-    def forked_worker(parent):  # stands in for a loader worker forked after the writer
+    def forked_worker(parent, started):  # stands in for a loader worker forked after the writer
+        started.set()  # the fork's hooks in the child have run (they run before the target)
         while os.getppid() == parent:
             time.sleep(0.05)
 
@@ -337,9 +338,11 @@ TRAINER = textwrap.dedent("""
                                     time=1.8e9 + step, read_seconds=0.0, transform_seconds=0.0,
                                     download_wait_seconds=0.0, queue_depth=0))
     assert logger.flush(60)
-    worker = multiprocessing.get_context("fork").Process(target=forked_worker,
-                                                         args=(os.getpid(),))
+    context = multiprocessing.get_context("fork")
+    started = context.Event()
+    worker = context.Process(target=forked_worker, args=(os.getpid(), started))
     worker.start()
+    assert started.wait(60), "the forked worker did not start"
     socket_inode = os.fstat(logger._transport.conn.fileno()).st_ino
     print(json.dumps({"run_id": logger.wait_run_id(0), "worker": worker.pid,
                       "socket": socket_inode}), flush=True)
