@@ -68,8 +68,9 @@ _DOING = {"set": "writing", "delete": "deleting", "incr": "updating", "pop": "re
 
 
 class _GuardedCache:
-    """A diskcache.Cache whose every call holds the fork guard, and whose refusals by the
-    filesystem (read-only, full) are CacheDiskErrors naming the cache and the record."""
+    """A diskcache.Cache whose every call holds the fork guard, with one sqlite connection per
+    process for all its threads (see `_OPEN`), and whose refusals by the filesystem
+    (read-only, full) are CacheDiskErrors naming the cache and the record."""
 
     def __init__(self, directory: str, root: str) -> None:
 
