@@ -176,12 +176,14 @@ def test_index_and_verify_on_s3_name_the_url_of_a_permanent_error(tars_on_s3, s3
 PUTS = lambda method, path, headers: method == "PUT"  # noqa: E731
 
 
-def test_a_put_the_server_answers_not_found_is_put_again_whole(s3_server, s3_bucket, fault_proxy, tmp_path):
-    """A put answered 404 (S3's NoSuchUpload: the server lost the upload the client was making,
-    as moto does when a slow multipart completion is sent again) is retried whole, not taken
-    for a missing object; the object is then there, whole. A missing local file is still a
-    FileNotFoundError."""
-    proxy = fault_proxy(s3_server.endpoint, first(2, Fault("status", status=404), match=PUTS))
+def test_a_put_whose_upload_the_server_lost_is_put_again_whole(s3_server, s3_bucket, fault_proxy, tmp_path):
+    """A put answered S3's NoSuchUpload (the server lost the upload the client was making, as
+    moto does when a slow multipart completion is sent again) is retried whole, not taken for
+    a missing object; the object is then there, whole. A missing local file, or any other
+    "not found" of a put, is still a FileNotFoundError, at once."""
+    lost = Fault("status", status=404, body=b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>NoSuchUpload"
+                                             b"</Code><Message>The specified upload does not exist.</Message></Error>")
+    proxy = fault_proxy(s3_server.endpoint, first(2, lost, match=PUTS))
     url = f"s3://{s3_bucket}/put"
     fs, path = filesystem(url, s3_server.storage_options(proxy.url), full_interface=True)
     local = tmp_path / "state.bin"
@@ -194,3 +196,9 @@ def test_a_put_the_server_answers_not_found_is_put_again_whole(s3_server, s3_buc
     assert [entry.fault for entry in proxy.settled() if entry.method == "PUT"] == ["status", "status", None, None]
     with pytest.raises(FileNotFoundError):
         put_file(fs, str(tmp_path / "gone.bin"), f"{path}/gone.bin", f"{url}/gone.bin", policy=policy)
+    # any other "not found" of a put (a missing bucket) is not retried: FileNotFoundError at once
+    missing = fault_proxy(s3_server.endpoint, first(1, Fault("status", status=404), match=PUTS))
+    fs, path = filesystem(url, s3_server.storage_options(missing.url), full_interface=True)
+    with pytest.raises(FileNotFoundError):
+        put_bytes(fs, b"x", f"{path}/other.json", f"{url}/other.json", policy=policy)
+    assert [entry.fault for entry in missing.settled() if entry.method == "PUT"] == ["status"]

@@ -10,8 +10,8 @@ unchanged (callers say what is missing); any other permanent error (403, other 4
 exhausted retries raise FetchError naming the URL.
 
 Only calls that are safe to repeat whole are retried: reads, listings, puts of a whole object
-(a second put of the same bytes leaves the same object; a put answered "not found" is
-`LostUpload`, retried: nothing was read) and deletes (a second delete leaves
+(a second put of the same bytes leaves the same object; a put whose multipart upload the
+server lost, S3's NoSuchUpload, is `LostUpload`, retried) and deletes (a second delete leaves
 the object deleted; one whose first attempt went through may then see FileNotFoundError). A
 stream (`RetryingReader`) retries one read at a time, from the same offset in a fresh handle.
 A listing first drops what fsspec's listing cache holds for the folder, since the client is
@@ -20,7 +20,6 @@ shared by the process and the folder may have changed since (written by us or by
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -83,20 +82,33 @@ def read_chunks(
 
 
 class LostUpload(ConnectionError):
-    """A whole-object put the server answered with "not found". Nothing is read, so nothing is
-    missing: the server lost the upload the client was making (S3's NoSuchUpload, seen when
-    a server slow to complete a multipart upload made the client send its completion again).
-    A put is safe to repeat whole, so this is retried as a transient error."""
+    """A whole-object put the server answered with S3's NoSuchUpload: it lost the multipart
+    upload the client was making (seen when a server slow to complete one made the client send
+    its completion again). Nothing is missing, and a put is safe to repeat whole, so this is
+    retried as a transient error. (Any other "not found" of a put, a missing bucket or
+    directory, stays a FileNotFoundError.)"""
 
 
-def _repeatable_put(call: Callable[[], Any], url: str, local_path: str | None = None) -> Callable[[], None]:
+def _error_codes(exc: BaseException) -> set[str]:
+    """The S3 error codes (botocore's `response["Error"]["Code"]`) in `exc`'s cause chain."""
+    codes, seen, current = set(), set(), exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        response = getattr(current, "response", None)
+        if isinstance(response, dict) and isinstance(response.get("Error"), dict):
+            codes.add(str(response["Error"].get("Code")))
+        current = current.__cause__ or current.__context__
+    return codes
+
+
+def _repeatable_put(call: Callable[[], Any], url: str) -> Callable[[], None]:
     def attempt() -> None:
         try:
             call()
             return
         except FileNotFoundError as exc:
-            if local_path is not None and not os.path.exists(local_path):
-                raise  # the file to upload is missing: that is the caller's to say
+            if "NoSuchUpload" not in _error_codes(exc):
+                raise
             why = f"{type(exc).__name__}: {exc}"
         # Raised outside the handler: its cause is not the 404, which would make it permanent.
         raise LostUpload(f"{url}: the server lost the upload ({why}); putting it again whole")
@@ -106,7 +118,7 @@ def _repeatable_put(call: Callable[[], Any], url: str, local_path: str | None = 
 
 def put_file(fs: Any, local_path: str, path: str, url: str, *, policy: RetryPolicy | None = None) -> None:
     """Upload the finished local file `local_path` as object `path`, whole."""
-    retrying(_repeatable_put(lambda: fs.put_file(local_path, path), url, local_path), url, policy=policy)
+    retrying(_repeatable_put(lambda: fs.put_file(local_path, path), url), url, policy=policy)
 
 
 def put_bytes(fs: Any, data: bytes, path: str, url: str, *, policy: RetryPolicy | None = None) -> None:
