@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from shardloader.io.retry import RetryPolicy, retrying
+from shardloader.io.retry import RetryPolicy, cause_chain, retrying
 from shardloader.io.transfer import RangeRequest, read_ranges
 
 #: Bytes per range when streaming a whole object, and ranges requested at once.
@@ -91,13 +91,11 @@ class LostUpload(ConnectionError):
 
 def _error_codes(exc: BaseException) -> set[str]:
     """The S3 error codes (botocore's `response["Error"]["Code"]`) in `exc`'s cause chain."""
-    codes, seen, current = set(), set(), exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    codes = set()
+    for current in cause_chain(exc):
         response = getattr(current, "response", None)
         if isinstance(response, dict) and isinstance(response.get("Error"), dict):
             codes.add(str(response["Error"].get("Code")))
-        current = current.__cause__ or current.__context__
     return codes
 
 

@@ -31,7 +31,7 @@ import random
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -96,12 +96,19 @@ class RetryPolicy:
         return min(self.deadline, self.attempts * read_timeout + backoff)
 
 
-def http_status(exc: BaseException) -> int | None:
-    """The HTTP status behind `exc`, looking through its cause chain; None when there is none."""
+def cause_chain(exc: BaseException) -> Iterator[BaseException]:
+    """`exc`, then what caused it (`__cause__`, else `__context__`), and so on, each once."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status behind `exc`, looking through its cause chain; None when there is none."""
+    for current in cause_chain(exc):
         status = getattr(current, "status", None)
         if isinstance(status, int) and 100 <= status < 600:
             return status
@@ -110,7 +117,6 @@ def http_status(exc: BaseException) -> int | None:
             code = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if isinstance(code, int):
                 return code
-        current = current.__cause__ or current.__context__
     return None
 
 
@@ -160,15 +166,8 @@ def _is_network_library_error(exc: BaseException) -> bool:
 
 def is_timeout(exc: BaseException) -> bool:
     """True when `exc` (or one in its cause chain) says a request got no answer in time."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, TimeoutError) or any(
-                cls.__name__ in _TIMEOUT_NAMES for cls in type(current).__mro__):
-            return True
-        current = current.__cause__ or current.__context__
-    return False
+    return any(isinstance(current, TimeoutError) or any(
+        cls.__name__ in _TIMEOUT_NAMES for cls in type(current).__mro__) for current in cause_chain(exc))
 
 
 # Timeouts of asyncio (before 3.11), aiohttp, fsspec, botocore and urllib3 that are not
