@@ -9,11 +9,12 @@ run on the same JPEGs (`benchmarks/_images.py`, 128-256 px, the images of
 * (a) the README transform `Compose([DecodeCropFlip(112), ToTensor()])`,
 * (b) the user's own function calling the same two transforms and returning
   ``{"img": t, "label": l}`` (it takes the sample's `generator`, as the docs advise),
-* (b1) the same function declaring `uses_global_rng = False` (the Loader seeds the global RNGs
-  per sample for any transform that does not say it leaves them alone: 26 us per sample in a
-  loop of trivial transforms, more beside a decode),
-* (b0) the same function without a `generator` parameter (the Loader then seeds the global
-  RNGs per sample, and the transforms draw from them),
+* (b1) the same function declaring `uses_global_rng = False` (without it, the Loader seeds
+  torch's global generator per sample, and `random` and `numpy` only once it has seen the
+  function draw from them: `shardloader.order.global_rngs`; before that lazy seeding every
+  sample paid 26-33 us for all three),
+* (b0) the same function without a `generator` parameter (the Loader then seeds torch's
+  global generator per sample, and the transforms draw from it),
 * (c) a user function that also adds a field: a float tensor of shape (3,).
 
 Every loader is built once (persistent workers) and runs one first epoch; then the loaders

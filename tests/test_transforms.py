@@ -633,3 +633,23 @@ def test_adaptive_antialias_is_closer_to_pil_than_k_area_and_a_new_version(jpegs
     assert "antialias_method='adaptive'" in Resize(64).version
     with pytest.raises(ValueError, match="unknown antialias_method 'area'.*k-area, adaptive"):
         DecodeCropFlip(112, antialias_method="area")
+
+
+@pytest.mark.parametrize("image", [
+    np.arange(7 * 5 * 3, dtype=np.uint8).reshape(7, 5, 3),
+    np.arange(6 * 4, dtype=np.uint8).reshape(6, 4),  # gray: one channel
+    np.arange(3 * 2 * 4, dtype=np.uint8).reshape(3, 2, 4),  # RGBA
+    np.arange(4 * 4 * 3, dtype=np.float32).reshape(4, 4, 3) / 7,
+    np.arange(4 * 4 * 3, dtype=np.int64).reshape(4, 4, 3),  # a dtype OpenCV does not split
+    np.arange(9 * 8 * 3, dtype=np.uint8).reshape(9, 8, 3)[1:8:2, ::3],  # strided
+], ids=["rgb", "gray", "rgba", "float32", "int64", "strided"])
+def test_to_tensor_is_the_permuted_copy_for_every_layout(image):
+    """ToTensor's planes copy (OpenCV's split, numpy's where OpenCV would not) gives torch's
+    permuted contiguous copy, byte for byte, in torch's own memory."""
+    hwc = image[:, :, None] if image.ndim == 2 else image
+    expected = torch.from_numpy(np.ascontiguousarray(hwc)).permute(2, 0, 1).contiguous()
+    got = ToTensor(dtype=torch.uint8 if image.dtype == np.uint8 else torch.float32)({"image": image})["image"]
+    if image.dtype != np.uint8:
+        expected = expected.to(torch.float32)
+    assert got.dtype == expected.dtype and got.shape == expected.shape and got.is_contiguous()
+    assert got.numpy().tobytes() == expected.numpy().tobytes()

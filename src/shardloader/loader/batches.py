@@ -22,12 +22,13 @@ import torch
 from shardloader.loader.collate import Allocate, BatchBuilder, collate
 from shardloader.loader.failures import SampleFailed
 from shardloader.loader.protocol import KeyedReads, LoaderDataset
-from shardloader.order.seeding import GlobalRngScope, sample_keys
+from shardloader.order.global_rngs import LazyGlobalRngScope
+from shardloader.order.seeding import sample_keys
 from shardloader.runtime.startup import paused_gc
 from shardloader.source.protocol import counter_delta, job_counter_delta
-from shardloader.transforms.base import Compose, accepts_generator, opencv
+from shardloader.transforms.base import Compose, accepts_generator
 from shardloader.transforms.fused import DecodeCropFlip
-from shardloader.transforms.tensor import ToTensor
+from shardloader.transforms.tensor import ToTensor, hwc_to_chw
 
 Transform = Callable[..., dict[str, Any]]
 
@@ -88,6 +89,8 @@ class BatchProducer:
         self._keyed: KeyedReads | None = (dataset if isinstance(dataset, KeyedReads) and dataset.keyed_reads
                                           else None)
         self._seed_globals = uses_global_rng(transform)
+        #: The global RNGs this process has seen the transform draw from (seeded per sample).
+        self._globals_in_use: set[str] = set()
         self._direct = direct_batch_transform(transform, self.collate_fn)
 
     #: Set in a worker process: its cache counters then belong to the batches it produces.
@@ -218,9 +221,9 @@ class BatchProducer:
             try:
                 if hwc is None:
                     transform.into(record, array[i], generator, scratch)
-                else:  # ToTensor: HWC -> CHW, as it does (`transforms.tensor._chw`)
+                else:  # ToTensor: HWC -> CHW, as it does
                     transform.into(record, hwc, generator, scratch)
-                    _to_planes(hwc, array[i])
+                    hwc_to_chw(hwc, array[i])
             except Exception as e:  # noqa: BLE001 - reported for this sample
                 raise SampleFailed(e, int(samples[i])) from None
         out = transform.out
@@ -237,9 +240,10 @@ class BatchProducer:
         128-256 px JPEGs to 112 px, batch 64, a user's function over DecodeCropFlip + ToTensor
         returning {"img", "label"}: 329 us of CPU per sample in a worker's loop against 335
         through `collate` and the slot copy). The rest of the gap to the fused path
-        (`_direct_batch`, 282 us) is in the transforms' own per-sample arrays and, for a
-        function that does not declare `uses_global_rng = False`, in seeding the global RNGs
-        per sample (26 us): benchmarks/handoff.py measures each."""
+        (`_direct_batch`, 282 us) is in the transforms' own per-sample arrays (a fresh image
+        and its CHW copy per sample, where the fused path writes into the batch); the global
+        RNGs cost nothing once the transform is seen not to draw from them (`global_rngs`):
+        benchmarks/handoff.py measures each."""
         builder = BatchBuilder(len(records), self.allocate_many)
         if self.transform is not None:
             self._transform_all(task, records, samples, builder.add)
@@ -261,40 +265,63 @@ class BatchProducer:
         # One generator per batch, re-seeded for each sample: the same draws as a fresh
         # generator per sample (`sample_generator`), without allocating 64 of them.
         generator = torch.Generator() if self._pass_generator else None
-        # Global RNGs are process-wide: worker threads must take turns seeding and using them.
-        with _GLOBAL_RNG_LOCK if self._seed_globals else _NoScope(), \
-                GlobalRngScope() if self._seed_globals else _NoScope() as scope:
+        if not self._seed_globals:
             for i, (record, key) in enumerate(zip(records, keys)):
-                if self._seed_globals:
+                sink(self._apply(transform, record, generator, key, samples[i]))
+            return out
+        # Global RNGs are process-wide: worker threads must take turns seeding and using them.
+        # `random` and `numpy` are seeded only once the transform is seen drawing from them:
+        # a sample that drew from one unseeded runs again with it seeded (`global_rngs`).
+        with _GLOBAL_RNG_LOCK, LazyGlobalRngScope(self._globals_in_use) as scope:
+            for i, (record, key) in enumerate(zip(records, keys)):
+                scope.seed(key)
+                if not scope.watching:
+                    sink(self._apply(transform, record, generator, key, samples[i]))
+                    continue
+                try:  # on a copy: a transform may change its record, and may have to run again
+                    result = self._apply(transform, _copy(record), generator, key, samples[i])
+                except SampleFailed:
+                    if not scope.moved():
+                        raise
+                    result = None
+                moved = scope.moved()
+                if moved:
+                    scope.promote(moved)
                     scope.seed(key)
-                try:
-                    if generator is not None:
-                        generator.manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
-                        result = transform(record, generator=generator)
-                    else:
-                        result = transform(record)
-                except Exception as e:  # noqa: BLE001 - reported for this sample
-                    raise SampleFailed(e, int(samples[i])) from None
-                if result is None:
-                    raise SampleFailed(TypeError(
-                        f"the transform {transform!r} returned None for sample {int(samples[i])}: "
-                        f"a transform must return the (transformed) sample"), int(samples[i]))
-                if isinstance(result, dict):  # keep the bookkeeping fields through the transform
-                    for name in ("__index__", "__key__"):
-                        if name in record and name not in result:
-                            result[name] = record[name]
+                    result = self._apply(transform, record, generator, key, samples[i])
                 sink(result)
         return out
 
 
-def _to_planes(hwc: np.ndarray, chw: np.ndarray) -> None:
-    """Copy the HWC uint8 image `hwc` into the C-contiguous CHW array `chw`: OpenCV's split
-    into its planes, numpy's transposing copy where OpenCV would not write in place. Measured
-    in a worker's loop (2 shared cores, 112x112x3): the README transform's batch 282 us per
-    sample against 294 with numpy's copy (5.6 us against 14 for the copy alone, warm)."""
-    planes = list(chw)
-    if not all(out is plane for out, plane in zip(opencv().split(hwc, planes), planes)):
-        np.copyto(chw, hwc.transpose(2, 0, 1))
+    def _apply(self, transform: Transform, record: Any, generator: torch.Generator | None, key: int,
+               sample: Any) -> Any:
+        """One sample transformed under its key's generator; its error as `SampleFailed`."""
+        try:
+            if generator is not None:
+                generator.manual_seed(key & 0x7FFF_FFFF_FFFF_FFFF)
+                result = transform(record, generator=generator)
+            else:
+                result = transform(record)
+        except Exception as e:  # noqa: BLE001 - reported for this sample
+            raise SampleFailed(e, int(sample)) from None
+        if result is None:
+            raise SampleFailed(TypeError(
+                f"the transform {transform!r} returned None for sample {int(sample)}: "
+                f"a transform must return the (transformed) sample"), int(sample))
+        if isinstance(result, dict):  # keep the bookkeeping fields through the transform
+            for name in ("__index__", "__key__"):
+                if name in record and name not in result:
+                    result[name] = record[name]
+        return result
+
+
+def _copy(record: Any) -> Any:
+    """A shallow copy of a dict or list record (what a transform may change in place)."""
+    if type(record) is dict:
+        return dict(record)
+    if type(record) is list:
+        return list(record)
+    return record
 
 
 def direct_batch_transform(transform: Any, collate_fn: Any) -> tuple[DecodeCropFlip, bool] | None:
@@ -331,11 +358,3 @@ def _new_rng_lock_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_new_rng_lock_in_child)
-
-
-class _NoScope:
-    def __enter__(self) -> _NoScope:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -16,6 +16,7 @@ from types import TracebackType
 import numpy as np
 import torch
 
+from shardloader.order.global_rngs import seed_numpy, seed_python, seed_torch
 from shardloader.order.keys import _GOLDEN, TAG_SAMPLE, derive_key, mix64_array
 
 
@@ -59,16 +60,9 @@ class GlobalRngScope:
         return self
 
     def seed(self, key: int) -> None:
-        random.seed(key)
-        np.random.seed([key & 0xFFFF_FFFF, key >> 32])  # legacy numpy: 32-bit words
-        # The CPU generator is what `torch.manual_seed` seeds for CPU draws; calling it directly
-        # skips torch.manual_seed's lazy seeding of absent accelerators, which formats a stack
-        # trace on every call (~0.5 ms, more than decoding an image). CUDA's generators are
-        # seeded too when CUDA is in use in this process.
-        seed = key & 0x7FFF_FFFF_FFFF_FFFF
-        torch.default_generator.manual_seed(seed)
-        if torch.cuda.is_initialized():
-            torch.cuda.manual_seed_all(seed)
+        seed_python(key)
+        seed_numpy(key)
+        seed_torch(key)
 
     def __exit__(
         self,

@@ -8,7 +8,28 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardloader.transforms.base import Sample, Transform, TransformError, get_field, with_field
+from shardloader.transforms.base import (
+    Sample,
+    Transform,
+    TransformError,
+    get_field,
+    opencv,
+    with_field,
+)
+
+
+def hwc_to_chw(hwc: np.ndarray, chw: np.ndarray) -> None:
+    """Copy the C-contiguous HWC image `hwc` into the C-contiguous CHW array `chw` (same dtype):
+    OpenCV's split into its planes, numpy's transposing copy where OpenCV would not write in
+    place (one channel, a dtype OpenCV lacks). Measured for 112x112x3 uint8 (2 shared cores,
+    warm): 5.6 us against 14 for numpy's copy and 13 for torch's permuted `contiguous()`."""
+    planes = list(chw)
+    try:
+        split = opencv().split(hwc, planes) if hwc.ndim == 3 and hwc.shape[2] > 1 else ()
+    except Exception:  # noqa: BLE001 - a dtype or layout OpenCV does not take: numpy copies it
+        split = ()
+    if len(split) != len(planes) or not all(out is plane for out, plane in zip(split, planes)):
+        np.copyto(chw, hwc.transpose(2, 0, 1))
 
 
 class ToTensor(Transform):
@@ -33,7 +54,10 @@ class ToTensor(Transform):
                 raise TransformError(
                     f"ToTensor: field {self.field!r} must be an HWC image, got shape {image.shape}"
                 )
-            tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).contiguous()
+            dtype = torch.from_numpy(image[:0, :0]).dtype  # raises for a dtype torch lacks
+            height, width, channels = image.shape
+            tensor = torch.empty((channels, height, width), dtype=dtype)  # torch's own memory
+            hwc_to_chw(np.ascontiguousarray(image), tensor.numpy())
         elif isinstance(image, torch.Tensor):
             tensor = image
         else:
