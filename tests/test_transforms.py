@@ -41,6 +41,7 @@ from shardloader.transforms import (
     transform_version,
 )
 from shardloader.transforms.fused import snap_box
+from shardloader.transforms.tensor import hwc_to_chw
 
 
 def gen(seed: int) -> torch.Generator:
@@ -643,9 +644,9 @@ def test_adaptive_antialias_is_closer_to_pil_than_k_area_and_a_new_version(jpegs
     np.arange(4 * 4 * 3, dtype=np.int64).reshape(4, 4, 3),  # a dtype OpenCV does not split
     np.arange(9 * 8 * 3, dtype=np.uint8).reshape(9, 8, 3)[1:8:2, ::3],  # strided
 ], ids=["rgb", "gray", "rgba", "float32", "int64", "strided"])
-def test_to_tensor_is_the_permuted_copy_for_every_layout(image):
-    """ToTensor's planes copy (OpenCV's split, numpy's where OpenCV would not) gives torch's
-    permuted contiguous copy, byte for byte, in torch's own memory."""
+def test_to_tensor_and_the_planes_copy_are_the_permuted_copy_for_every_layout(image):
+    """ToTensor, and `hwc_to_chw` (OpenCV's split, numpy's copy where OpenCV would not) that the
+    fused batch path uses in its place, give torch's permuted contiguous copy byte for byte."""
     hwc = image[:, :, None] if image.ndim == 2 else image
     expected = torch.from_numpy(np.ascontiguousarray(hwc)).permute(2, 0, 1).contiguous()
     got = ToTensor(dtype=torch.uint8 if image.dtype == np.uint8 else torch.float32)({"image": image})["image"]
@@ -653,3 +654,6 @@ def test_to_tensor_is_the_permuted_copy_for_every_layout(image):
         expected = expected.to(torch.float32)
     assert got.dtype == expected.dtype and got.shape == expected.shape and got.is_contiguous()
     assert got.numpy().tobytes() == expected.numpy().tobytes()
+    planes = np.empty((hwc.shape[2], hwc.shape[0], hwc.shape[1]), dtype=hwc.dtype)
+    hwc_to_chw(np.ascontiguousarray(hwc), planes)
+    assert planes.tobytes() == torch.from_numpy(np.ascontiguousarray(hwc)).permute(2, 0, 1).contiguous().numpy().tobytes()

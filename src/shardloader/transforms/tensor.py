@@ -21,8 +21,8 @@ from shardloader.transforms.base import (
 def hwc_to_chw(hwc: np.ndarray, chw: np.ndarray) -> None:
     """Copy the C-contiguous HWC image `hwc` into the C-contiguous CHW array `chw` (same dtype):
     OpenCV's split into its planes, numpy's transposing copy where OpenCV would not write in
-    place (one channel, a dtype OpenCV lacks). Measured for 112x112x3 uint8 (2 shared cores,
-    warm): 5.6 us against 14 for numpy's copy and 13 for torch's permuted `contiguous()`."""
+    place (one channel, a dtype OpenCV lacks). The fused batch path writes each image's planes
+    into the batch with it: 5.6 us against 14 for numpy's copy (112x112x3 uint8, warm rows)."""
     planes = list(chw)
     try:
         split = opencv().split(hwc, planes) if hwc.ndim == 3 and hwc.shape[2] > 1 else ()
@@ -54,10 +54,9 @@ class ToTensor(Transform):
                 raise TransformError(
                     f"ToTensor: field {self.field!r} must be an HWC image, got shape {image.shape}"
                 )
-            dtype = torch.from_numpy(image[:0, :0]).dtype  # raises for a dtype torch lacks
-            height, width, channels = image.shape
-            tensor = torch.empty((channels, height, width), dtype=dtype)  # torch's own memory
-            hwc_to_chw(np.ascontiguousarray(image), tensor.numpy())
+            # torch's permuted copy: as fast here as `hwc_to_chw` into a fresh tensor, in a
+            # worker's loop (the copy's cost is the new memory's, not the transposition's)
+            tensor = torch.from_numpy(np.ascontiguousarray(image)).permute(2, 0, 1).contiguous()
         elif isinstance(image, torch.Tensor):
             tensor = image
         else:
