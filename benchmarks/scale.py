@@ -12,7 +12,8 @@ shuffle settings, seed 0, batch 64), so the run reads exactly the files that are
 Each measurement is a fresh Python process (imports paid before anything is timed) that
 prints, for one shard count and one `num_workers`:
 
-* ``index``: the bytes of `index.json` on disk;
+* ``index``: the bytes of the index on disk (`index.json`, plus its shard table in the table
+  form: ``--forms``, `shardloader.format.index_table`);
 * ``open``: seconds in ``Dataset(root)`` (reading, parsing and validating the index);
 * ``first``: seconds from ``Loader(ds, batch_size=64, shuffle=True, num_workers=w)`` to the
   first batch (with workers: their start included);
@@ -34,6 +35,7 @@ compared on the same fabricated datasets in one run.
     python -m benchmarks.scale                                # 10^3 ... 10^6, workers 0 and 2
     python -m benchmarks.scale --counts 1000,10000 --workers 0   # quick
     python -m benchmarks.scale --baseline-src /tmp/old/src --baseline-max 100000
+    python -m benchmarks.scale --counts 1000,1000000 --forms table   # the table form only
 """
 
 from __future__ import annotations
@@ -125,6 +127,40 @@ def fabricate(work: str, count: int) -> str:
     return root
 
 
+def fabricate_table(work: str, count: int) -> str:
+    """The dataset of `fabricate(work, count)` with its index in the table form
+    (`shardloader.format.index_table`): same shards (hard links), index.json naming the table."""
+    from shardloader.format.index import INDEX_NAME, Index, ShardInfo
+    from shardloader.format.index_table import TABLE_NAME, table_form
+
+    root = os.path.join(work, f"n{count}-table")
+    if os.path.exists(os.path.join(root, INDEX_NAME)):
+        return root
+    source = fabricate(work, count)
+    shutil.rmtree(root, ignore_errors=True)
+    os.makedirs(root)
+    for name in os.listdir(source):
+        if name != INDEX_NAME:
+            os.link(os.path.join(source, name), os.path.join(root, name))
+    with open(os.path.join(source, INDEX_NAME)) as f:
+        data = json.load(f)
+    keys = ("path", "format", "samples", "bytes", "checksum")
+    shards = [ShardInfo(*(e.pop(k) for k in keys), e) for e in data["shards"]]  # fabricated: valid
+    document, table = table_form(Index(data["schema"], shards))
+    with open(os.path.join(root, TABLE_NAME), "wb") as f:
+        f.write(table)
+    with open(os.path.join(root, INDEX_NAME + ".tmp"), "wb") as f:
+        f.write(document)
+    os.replace(os.path.join(root, INDEX_NAME + ".tmp"), os.path.join(root, INDEX_NAME))
+    return root
+
+
+def _disk_bytes(root: str) -> int:
+    """Bytes of the index on disk: index.json, plus its shard table where it has one."""
+    return sum(os.path.getsize(os.path.join(root, n)) for n in ("index.json", "index.shards.arrow")
+               if os.path.exists(os.path.join(root, n)))
+
+
 # -- one measurement (child process) ------------------------------------------------------------
 def _status_bytes(pid: int | str, key: str) -> int:
     with open(f"/proc/{pid}/status") as f:
@@ -209,6 +245,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--baseline-max", type=int, default=10**6,
                    help="largest shard count run with --baseline-src (an O(shards) index may not fit)")
     p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--forms", default="json,table",
+                   help="index forms to run: json (shards listed in index.json), table (Arrow table)")
     p.add_argument("--json", default=None, help="also write the figures here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -222,18 +260,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.baseline_src:
         sources.append(("baseline", os.path.abspath(args.baseline_src)))
     results: list[dict[str, Any]] = []
-    for count in counts:
+    forms = args.forms.split(",")
+    for count, form in [(c, f) for c in counts for f in forms]:
         start = time.perf_counter()
-        root = fabricate(args.dir, count)
+        root = fabricate(args.dir, count) if form == "json" else fabricate_table(args.dir, count)
         made = time.perf_counter() - start
-        size = os.path.getsize(os.path.join(root, "index.json"))
-        print(f"# {count} shards: index {size / 1e6:.1f} MB (fabricated in {made:.1f} s)", file=sys.stderr)
+        size = _disk_bytes(root)
+        print(f"# {count} shards, {form}: index {size / 1e6:.1f} MB (fabricated in {made:.1f} s)",
+              file=sys.stderr)
         for w in workers:
             for label, src in sources:
                 if src is not None and count > args.baseline_max:
                     continue
                 r = _run_child(root, w, src, args.timeout)
-                r.update(code=label, count=count, workers=w, index_bytes=size)
+                r.update(code=f"{label} ({form})", count=count, workers=w, index_bytes=size)
                 results.append(r)
                 print(f"#   {label}, workers={w}: {r}", file=sys.stderr)
     rows = []

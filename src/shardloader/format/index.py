@@ -21,6 +21,9 @@ Format (version 1)::
 
 Format-specific keys are kept in `ShardInfo.extra` (e.g. a tar shard's member-offset sidecar).
 
+A large index may instead keep its shards in an Arrow table beside it (``shard_table`` in place
+of ``shards``; `shardloader.format.index_table`, read by `shardloader.source.index.load_index`).
+
 In memory an `Index` holds its shards as columns (numpy arrays and a few byte buffers; see
 `shardloader.format.index_columns`), not one `ShardInfo` per shard: the writer's entries cost 70-90 bytes
 per shard (10^6 shards: ~80 MB, against ~1.4 GB as ShardInfos), held by a few dozen objects
@@ -311,8 +314,12 @@ class Index:
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
-    def from_json(cls, data: Any, *, source: str = INDEX_NAME) -> Index:
-        """Validate a parsed `index.json`; `source` names the file in error messages."""
+    def from_json(cls, data: Any, *, source: str = INDEX_NAME, shard_columns: ShardColumns | None = None) -> Index:
+        """Validate a parsed `index.json`; `source` names the file in error messages.
+
+        An index in the table form (``shard_table`` instead of ``shards``, see
+        `shardloader.format.index_table`) needs its table's columns as `shard_columns`, read and
+        validated by `index_table.read_table` (`shardloader.source.index.load_index` does both)."""
         if not isinstance(data, dict):
             raise DatasetIndexError(f"{source}: top level must be a JSON object")
         if data.get("format") != INDEX_FORMAT:
@@ -331,6 +338,8 @@ class Index:
             isinstance(k, str) and isinstance(v, str) for k, v in schema.items()
         ):
             raise DatasetIndexError(f"{source}: 'schema' must map field names to type names")
+        if "shard_table" in data and "shards" not in data:
+            return cls._from_table(data, schema, source, shard_columns)
         shards_json = data.get("shards")
         if not isinstance(shards_json, list):
             raise DatasetIndexError(f"{source}: 'shards' must be a list")
@@ -366,6 +375,21 @@ class Index:
             # The parsed document is the canonical one (paths already normal, no other keys):
             # its fingerprint costs one C-speed dump now instead of one ShardInfo per shard later.
             index.__dict__["fingerprint"] = _fingerprint_of(data)
+        return index
+
+    @classmethod
+    def _from_table(cls, data: dict[str, Any], schema: dict[str, str], source: str,
+                    columns: ShardColumns | None) -> Index:
+        if columns is None:
+            raise DatasetIndexError(f"{source}: the index keeps its shards in a table file "
+                                    f"({data['shard_table']!r}); open it with "
+                                    "shardloader.source.index.load_index")
+        extra = data.keys() - {"format", "version", "schema", "shard_table"}
+        if extra:
+            raise DatasetIndexError(f"{source}: unexpected keys {sorted(extra)} beside 'shard_table'")
+        index = cls(schema=dict(schema), version=data["version"], _columns=columns)
+        # O(1): the document names the table by its checksum, so it stands for every shard.
+        index.__dict__["fingerprint"] = _fingerprint_of(data)
         return index
 
     @classmethod

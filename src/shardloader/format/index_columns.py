@@ -315,3 +315,51 @@ class ShardColumns:
         """Bytes the columns hold (arrays and buffers; not the few objects around them)."""
         return (self.paths.nbytes + self.formats.nbytes + self.samples.nbytes + self.sizes.nbytes
                 + self.checksums.nbytes + (0 if self.extra is None else self.extra.nbytes))
+
+
+class _JsonObjects(_Column):
+    """Each shard's extra keys as one JSON object's text ("" where it has none), parsed on
+    demand: the table form of the index (`shardloader.format.index_table`) stores them so."""
+
+    def __init__(self, strings: _Strings, where: str) -> None:
+        self.strings = strings
+        self.where = where
+        self.nbytes = strings.nbytes
+
+    def get(self, j: int, i: int) -> dict[str, Any]:
+        from shardloader.errors import DatasetIndexError
+        from shardloader.io.jsondata import parse_json
+
+        text = bytes(self.strings.blob[int(self.strings.offsets[j]):int(self.strings.offsets[j + 1])])
+        if not text:
+            return {}
+        value = parse_json(text, what=f"{self.where}: row {j}, column 'extra'", error=DatasetIndexError)
+        if not isinstance(value, dict):
+            raise DatasetIndexError(f"{self.where}: row {j}, column 'extra' must hold a JSON object")
+        return value
+
+
+def columns_from_buffers(paths: tuple[bytes, np.ndarray], format_names: Sequence[str], formats: np.ndarray,
+                         samples: np.ndarray, sizes: np.ndarray, digests: tuple[str, np.ndarray],
+                         extras: tuple[bytes, np.ndarray] | None, where: str) -> ShardColumns:
+    """`ShardColumns` straight from validated buffers (no per-shard Python objects): `paths` and
+    `extras` as (UTF-8 bytes or a uint8 array: a view of the mapped table is kept, not
+    copied, offsets from 0), `digests` as (prefix "algorithm:", (n, width)
+    uint8 array); `where` names the file in errors found later (an extra's bad JSON)."""
+    columns = object.__new__(ShardColumns)
+    columns.count = len(samples)
+    columns.paths = _strings_of(*paths)
+    columns.format_names = tuple(format_names)
+    columns.formats = formats
+    columns.samples = samples
+    columns.sizes = sizes
+    columns.checksums = _HexDigests(*digests)
+    columns.extra = None if extras is None else _Field(_JsonObjects(_strings_of(*extras), where), None)
+    return columns
+
+
+def _strings_of(blob: bytes, offsets: np.ndarray) -> _Strings:
+    strings = object.__new__(_Strings)
+    strings.blob = blob
+    strings.offsets = _small_ints(offsets)
+    return strings

@@ -26,13 +26,14 @@ import pyarrow.parquet as pq
 from tqdm.auto import tqdm
 
 from shardloader.errors import SchemaError, ShardError, ShardloaderError
-from shardloader.format.index import INDEX_NAME, Index, ShardInfo
+from shardloader.format.index import Index, ShardInfo
 from shardloader.format.ranges import RANGES_KEY, ranges_entry, ranges_path
 from shardloader.format.registry import FORMATS, table_of_file
 from shardloader.format.rows import check_schema
 from shardloader.format.schema import schema_names
 from shardloader.format.tar import OFFSETS_KEY, TarOffsets, offsets_entry, scan_tar, sidecar_path
 from shardloader.ingest.target import OutputDir, discard
+from shardloader.ingest.writer import write_index
 from shardloader.io.checksum import checksum_file, format_checksum, new_hasher
 from shardloader.io.clients import filesystem
 from shardloader.io.objects import list_directory, object_size, read_chunks
@@ -112,8 +113,12 @@ def index_dataset(
     storage_options: dict[str, Any] | None = None,
     out: str | os.PathLike[str] | None = None,
     progress: bool = False,
+    shard_table: str = "auto",
 ) -> Index:
     """Build `index.json` (and tar sidecars) for the shard files in directory `url`.
+
+    `shard_table`: where the shards are listed, as for `write_shards` ("auto": in an Arrow
+    table beside index.json above 10,000 shards; "json"; "table").
 
     `out` is where index.json and the sidecars are written, default `url` itself. `progress`
     shows a progress bar (one step per shard) on stderr. Raises
@@ -159,5 +164,5 @@ def index_dataset(
         if schema is None:
             raise SchemaError(f"{url}: every shard is empty; no schema to index")
         index = Index(schema=schema, shards=tuple(shards))
-        target.write_bytes(INDEX_NAME, index.dumps().encode())
+        write_index(target, index, shard_table)
     return index

@@ -12,6 +12,7 @@ by 82 bytes per shard (1,446 before the columns and the trim).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from shardloader.errors import DatasetIndexError
@@ -40,11 +41,44 @@ def load_index(url: str, storage_options: dict[str, Any] | None = None) -> Index
         raise DatasetIndexError(missing_index_message(url, index_url)) from None
     size = len(text)
     try:
+        if b'"shard_table"' in text:  # the table form (see shardloader.format.index_table)
+            return _load_table_form(url, index_url, text, storage_options)
         return Index.loads(text, source=index_url)
     finally:
         del text
         if size >= _TRIM_BYTES:
             trim_heap()
+
+
+def _load_table_form(url: str, index_url: str, text: bytes,
+                     storage_options: dict[str, Any] | None) -> Index:
+    """An index whose shards are in a table file beside it: the file is mapped (local; forked
+    workers share its pages) or read through the same helper as `index.json` (remote)."""
+    from shardloader.format.index_table import TABLE_KEY, read_table, table_entry
+    from shardloader.io.jsondata import parse_json
+
+    data = parse_json(text, what=index_url, error=DatasetIndexError)
+    if not isinstance(data, dict) or TABLE_KEY not in data or "shards" in data:
+        return Index.from_json(data, source=index_url)
+    entry = table_entry(data[TABLE_KEY], source=index_url)
+    table_url = join_url(url, entry["path"])
+    try:
+        if is_local(url):
+            import mmap
+
+            with open(strip_file_scheme(table_url), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                table: Any = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        else:
+            from shardloader.io.transfer import read_bytes
+
+            table = read_bytes(table_url, storage_options)
+    except (FileNotFoundError, NotADirectoryError):
+        raise DatasetIndexError(f"{table_url}: the shard table that {index_url} names is missing") from None
+    columns = read_table(table, entry, source=table_url)
+    if len(table) >= _TRIM_BYTES:  # the checks' temporaries (a few arrays per shard) go back
+        trim_heap()
+    return Index.from_json(data, source=index_url, shard_columns=columns)
 
 
 def trim_heap() -> bool:
