@@ -74,6 +74,19 @@ def _fails_unless_seeded(sample):
 _fails_unless_seeded.epoch = 0
 
 
+#: The first draw of numpy's known state at a scope's entry (`seed_numpy(0)`).
+_UNSEEDED = np.random.RandomState([0, 0]).rand()
+
+
+def _draws_random_if_numpy_says(sample):
+    """Draws from random only when its numpy draw lies on the other side of 0.5 than the
+    unseeded state's first draw: an unseeded first run never draws from random, while the
+    seeded run of the same sample may."""
+    x = float(np.random.rand())
+    y = random.random() if (x < 0.5) != (_UNSEEDED < 0.5) else -1.0
+    return {"x": torch.tensor([x, y]), "label": sample["label"]}
+
+
 def _generator_only(sample, generator):
     _generator_only.calls += 1
     return {"x": torch.rand(2, generator=generator) + torch.rand(1), "label": sample["label"]}
@@ -115,6 +128,21 @@ def test_lazy_seeding_gives_the_eager_draws(dataset, transform):
         np.random.randn()
         batch, _ = producer(BatchTask(epoch, epoch, 0, np.array(samples)))
         assert_identical(batch, _reference(dataset, transform, epoch, samples), f"epoch {epoch}")
+
+
+def test_a_seeded_run_that_draws_from_another_generator_runs_again(dataset):
+    """The first sample to draw from numpy takes, once seeded, a branch that draws from random
+    too, which the unseeded run did not: that draw must be seeded as well."""
+    def seeded_numpy(s):
+        key = sample_key(SEED, 0, s)
+        return np.random.RandomState([key & 0xFFFF_FFFF, key >> 32]).rand()
+
+    first = next(s for s in range(48) if (seeded_numpy(s) < 0.5) != (_UNSEEDED < 0.5))
+    samples = [first] + [s for s in range(48) if s != first][:7]
+    producer = BatchProducer(dataset, seed=SEED, transform=_draws_random_if_numpy_says)
+    batch, _ = producer(BatchTask(0, 0, 0, np.array(samples)))
+    assert_identical(batch, _reference(dataset, _draws_random_if_numpy_says, 0, samples))
+    assert producer._globals_in_use == {"numpy", "random"}
 
 
 def test_a_transform_that_never_draws_from_them_runs_once_per_sample(dataset):

@@ -278,20 +278,32 @@ class BatchProducer:
                 if not scope.watching:
                     sink(self._apply(transform, record, generator, key, samples[i]))
                     continue
-                try:  # on a copy: a transform may change its record, and may have to run again
-                    result = self._apply(transform, _copy(record), generator, key, samples[i])
-                except SampleFailed:
-                    if not scope.moved():
-                        raise
-                    result = None
-                moved = scope.moved()
-                if moved:
-                    scope.promote(moved)
-                    scope.seed(key)
-                    result = self._apply(transform, record, generator, key, samples[i])
-                sink(result)
+                sink(self._apply_watched(scope, transform, record, generator, key, samples[i]))
         return out
 
+
+    def _apply_watched(self, scope: LazyGlobalRngScope, transform: Transform, record: Any,
+                       generator: torch.Generator | None, key: int, sample: Any) -> Any:
+        """`_apply` with some global generator unseeded: run on a copy of the record (a
+        transform may change its record, and may have to run again); while the run drew from
+        an unseeded generator, seed it from now on and run again. (A seeded run can take a
+        branch the unseeded one did not, and draw from another generator: hence a loop, at
+        most one run more than there are generators.) An error counts only from a run that
+        drew from no unseeded generator."""
+        while True:
+            failure: SampleFailed | None = None
+            try:
+                result = self._apply(transform, _copy(record) if scope.watching else record,
+                                     generator, key, sample)
+            except SampleFailed as e:
+                failure = e
+            moved = scope.moved() if scope.watching else []
+            if not moved:
+                if failure is not None:
+                    raise failure
+                return result
+            scope.promote(moved)
+            scope.seed(key)
 
     def _apply(self, transform: Transform, record: Any, generator: torch.Generator | None, key: int,
                sample: Any) -> Any:
