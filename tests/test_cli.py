@@ -194,10 +194,11 @@ def _run_on_tty(*args: str) -> tuple[int, str]:
     os.close(follower)
     chunks = []
     deadline = time.monotonic() + 120
+    poller = select.poll()  # select refuses descriptors past 1024, which a long suite reaches
+    poller.register(leader, select.POLLIN)
     try:
         while time.monotonic() < deadline:
-            ready, _, _ = select.select([leader], [], [], 1.0)
-            if ready:
+            if poller.poll(1000):
                 try:
                     data = os.read(leader, 65536)
                 except OSError:  # EIO: the child closed the terminal

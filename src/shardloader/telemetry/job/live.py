@@ -132,7 +132,11 @@ def _still_alive_after(pid: int, launched: float, grace: float) -> bool:
     try:
         if not _alive_here(pid, launched):  # the pid was reused before the pidfd was taken
             return False
-        readable, _, _ = select.select([pidfd], [], [], grace)
+        # poll, not select: select refuses a descriptor number past 1024, which a training
+        # process with many open files (shards, sockets, a big DataLoader) reaches
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        readable = poller.poll(grace * 1000)
         return not readable and _alive_here(pid, launched)
     finally:
         os.close(pidfd)
