@@ -154,6 +154,20 @@ def seed_torch(key: int) -> None:
 
 _SEEDERS = {"random": seed_python, "numpy": seed_numpy}
 
+Streams = tuple[object, dict | tuple, torch.Tensor]
+
+
+def save_streams() -> Streams:
+    """The process's own states of the three global generators (what a scope restores)."""
+    return random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+
+
+def restore_streams(streams: Streams) -> None:
+    python, numpy_state, torch_state = streams
+    random.setstate(python)
+    np.random.set_state(numpy_state)
+    torch.random.set_rng_state(torch_state)
+
 
 class LazyGlobalRngScope:
     """Per-sample global seeding for one batch, `random` and `numpy` only where used.
@@ -169,9 +183,7 @@ class LazyGlobalRngScope:
         self._watches: list[StateWatch] = []
 
     def __enter__(self) -> LazyGlobalRngScope:
-        self._python = random.getstate()
-        self._numpy = np.random.get_state()
-        self._torch = torch.random.get_rng_state()
+        self._streams = save_streams()
         for name, seeder in _SEEDERS.items():
             watch = None if name in self._eager else _watch(name)
             if watch is None:
@@ -208,6 +220,4 @@ class LazyGlobalRngScope:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        random.setstate(self._python)
-        np.random.set_state(self._numpy)
-        torch.random.set_rng_state(self._torch)
+        restore_streams(self._streams)

@@ -10,13 +10,18 @@ worker's own streams are left as they were.
 
 from __future__ import annotations
 
-import random
 from types import TracebackType
 
 import numpy as np
 import torch
 
-from shardloader.order.global_rngs import seed_numpy, seed_python, seed_torch
+from shardloader.order.global_rngs import (
+    restore_streams,
+    save_streams,
+    seed_numpy,
+    seed_python,
+    seed_torch,
+)
 from shardloader.order.keys import _GOLDEN, TAG_SAMPLE, derive_key, mix64_array
 
 
@@ -54,9 +59,7 @@ class GlobalRngScope:
     """
 
     def __enter__(self) -> GlobalRngScope:
-        self._python = random.getstate()
-        self._numpy = np.random.get_state()
-        self._torch = torch.random.get_rng_state()
+        self._streams = save_streams()
         return self
 
     def seed(self, key: int) -> None:
@@ -70,6 +73,4 @@ class GlobalRngScope:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        random.setstate(self._python)
-        np.random.set_state(self._numpy)
-        torch.random.set_rng_state(self._torch)
+        restore_streams(self._streams)
