@@ -175,13 +175,18 @@ def _changed(kind: str, at: int, n: int = 6):
         r["img"] = torch.zeros(3, 5, 4, dtype=torch.uint8).transpose(1, 2)
     elif kind == "int-for-array":
         r["x"] = 7
+    elif kind == "chw-view":  # ToTensor's layout: a CHW view of HWC pixels (copied by OpenCV)
+        r["img"] = torch.from_numpy(np.ascontiguousarray(r["img"].numpy().transpose(1, 2, 0))).permute(2, 0, 1)
+    elif kind == "conj":
+        r["x"] = torch.from_numpy(r["x"].astype(np.complex64)).conj()
     elif kind == "order":  # the same keys in another order: not a difference for collate
         records[at] = dict(reversed(list(r.items())))
     return records
 
 
 @pytest.mark.parametrize("kind", ["shape", "dtype", "array-for-tensor", "tensor-for-array", "keys",
-                                  "missing", "grad", "non-contiguous", "int-for-array", "order"])
+                                  "missing", "grad", "non-contiguous", "int-for-array", "chw-view",
+                                  "conj", "order"])
 @pytest.mark.parametrize("at", [0, 1, 5])
 def test_batch_builder_is_collate_whatever_changes_within_the_batch(kind, at):
     """A sample that differs from the first (shape, dtype, type, keys) turns the batch back

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from shardloader.errors import ShardloaderError
+from shardloader.loader.collate import collate
 from shardloader.synthetic import make_image, make_image_samples
 from shardloader.transforms import (
     CenterCrop,
@@ -41,7 +42,8 @@ from shardloader.transforms import (
     transform_version,
 )
 from shardloader.transforms.fused import snap_box
-from shardloader.transforms.tensor import hwc_to_chw
+from shardloader.transforms.geometry import flip_hwc, flip_hwc_in_place
+from shardloader.transforms.tensor import copy_into, hwc_to_chw
 
 
 def gen(seed: int) -> torch.Generator:
@@ -233,12 +235,62 @@ def test_resize_matches_the_shorter_side_or_an_exact_size():
 def test_to_tensor_gives_chw_bytes_or_floats_in_unit_range():
     image = np.random.default_rng(0).integers(0, 256, (5, 7, 3), dtype=np.uint8)
     t = ToTensor()({"image": image})["image"]
-    assert t.dtype == torch.uint8 and t.shape == (3, 5, 7) and t.is_contiguous()
+    assert t.dtype == torch.uint8 and t.shape == (3, 5, 7)
     assert np.array_equal(t.numpy(), image.transpose(2, 0, 1))
     f = ToTensor(torch.float32)({"image": image})["image"]
-    assert f.dtype == torch.float32
+    assert f.dtype == torch.float32 and f.is_contiguous()  # as torchvision's ToTensor
     assert torch.allclose(f, torch.from_numpy(image.transpose(2, 0, 1).astype(np.float32) / 255))
     assert 0.0 <= f.min() and f.max() <= 1.0
+
+
+def test_to_tensor_bytes_are_a_chw_view_of_the_pixels_and_copy_only_what_it_must():
+    """uint8: a CHW view of the HWC array (no per-sample copy; docs/migration.md), as
+    torchvision's PILToTensor; a read-only or strided image is copied first, so the tensor is
+    always writable and never aliases memory the sample does not own."""
+    image = np.random.default_rng(1).integers(0, 256, (6, 9, 3), dtype=np.uint8)
+    t = ToTensor()({"image": image})["image"]
+    assert np.shares_memory(t.numpy(), image) and not t.is_contiguous()
+    assert t.stride() == (1, 27, 3)
+    assert torch.equal(t.contiguous(), torch.from_numpy(image.transpose(2, 0, 1).copy()))
+    assert t.reshape(-1).shape == (162,)
+    read_only = image.copy()
+    read_only.flags.writeable = False
+    r = ToTensor()({"image": read_only})["image"]
+    assert not np.shares_memory(r.numpy(), read_only) and torch.equal(r, t)
+    r.add_(1)  # writable: the copy is ours
+    strided = np.ascontiguousarray(np.concatenate([image, image], axis=1))[:, ::2]
+    s = ToTensor()({"image": strided})["image"]
+    assert not np.shares_memory(s.numpy(), strided)
+    assert np.array_equal(s.numpy(), strided.transpose(2, 0, 1))
+    gray = ToTensor()({"image": image[:, :, 0].copy()})["image"]
+    assert gray.shape == (1, 6, 9) and np.array_equal(gray.numpy()[0], image[:, :, 0])
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32, np.int16, np.float64])
+def test_copy_into_writes_the_same_bytes_as_numpy_for_every_layout(dtype):
+    """The collate's copy: OpenCV's split for CHW views of HWC images, numpy's copy for the
+    rest; the bytes must be numpy's for each."""
+    rng = np.random.default_rng(2)
+    hwc = (rng.random((5, 7, 4)) * 100).astype(dtype)
+    sources = [hwc.transpose(2, 0, 1), hwc[:, :, :3].transpose(2, 0, 1), hwc[:, :, :1].transpose(2, 0, 1),
+               np.ascontiguousarray(hwc.transpose(2, 0, 1)), hwc.transpose(2, 1, 0), hwc[::2].transpose(2, 0, 1)]
+    for src in sources:
+        dst = np.zeros(src.shape, dtype)
+        copy_into(dst, src)
+        assert np.array_equal(dst, src), src.strides
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32, np.uint16])
+@pytest.mark.parametrize("channels", [1, 3, 4])
+def test_flip_in_place_equals_the_flip_into_a_new_array(dtype, channels):
+    rng = np.random.default_rng(3)
+    for h, w in [(1, 1), (2, 3), (112, 112), (113, 111), (7, 1000)]:
+        image = (rng.random((h, w, channels)) * 200).astype(dtype)
+        expected = flip_hwc(image.copy())
+        out = flip_hwc_in_place(image)
+        assert out.shape == expected.shape and np.array_equal(out, expected), (h, w)
+        if dtype != np.uint16:  # OpenCV's types: written over the input
+            assert np.shares_memory(out, image)
 
 
 def test_normalize_computes_per_channel_standard_scores():
@@ -646,14 +698,17 @@ def test_adaptive_antialias_is_closer_to_pil_than_k_area_and_a_new_version(jpegs
 ], ids=["rgb", "gray", "rgba", "float32", "int64", "strided"])
 def test_to_tensor_and_the_planes_copy_are_the_permuted_copy_for_every_layout(image):
     """ToTensor, and `hwc_to_chw` (OpenCV's split, numpy's copy where OpenCV would not) that the
-    fused batch path uses in its place, give torch's permuted contiguous copy byte for byte."""
+    fused batch path uses in its place, give torch's permuted contiguous copy byte for byte
+    (ToTensor's own output is a view of them where no dtype changes; collate copies it)."""
     hwc = image[:, :, None] if image.ndim == 2 else image
     expected = torch.from_numpy(np.ascontiguousarray(hwc)).permute(2, 0, 1).contiguous()
     got = ToTensor(dtype=torch.uint8 if image.dtype == np.uint8 else torch.float32)({"image": image})["image"]
     if image.dtype != np.uint8:
         expected = expected.to(torch.float32)
-    assert got.dtype == expected.dtype and got.shape == expected.shape and got.is_contiguous()
-    assert got.numpy().tobytes() == expected.numpy().tobytes()
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    assert got.contiguous().numpy().tobytes() == expected.numpy().tobytes()
+    batch = collate([{"image": got}, {"image": got}])["image"]  # the collate's copy of the view
+    assert batch.numpy().tobytes() == expected.numpy().tobytes() * 2
     planes = np.empty((hwc.shape[2], hwc.shape[0], hwc.shape[1]), dtype=hwc.dtype)
     hwc_to_chw(np.ascontiguousarray(hwc), planes)
     assert planes.tobytes() == torch.from_numpy(np.ascontiguousarray(hwc)).permute(2, 0, 1).contiguous().numpy().tobytes()

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from shardloader.transforms.tensor import copy_into
+
 
 def collate(records: Sequence[Any]) -> Any:
     """`torch.utils.data.default_collate`, with the same output, made cheaper for image batches.
@@ -68,7 +70,12 @@ def _stack_arrays(values: Sequence[Any]) -> torch.Tensor | None:
         return None
     out = torch.empty((len(arrays), *shape), dtype=dtype)
     if out.numel():
-        np.stack(arrays, out=out.numpy())
+        rows = out.numpy()
+        if all(a.flags.c_contiguous for a in arrays):
+            np.stack(arrays, out=rows)
+        else:  # views (e.g. ToTensor's CHW views of HWC images): each copied at its layout
+            for row, array in zip(rows, arrays):
+                copy_into(row, array)
     return out
 
 
@@ -188,19 +195,25 @@ class BatchBuilder:
         node = plan[0]
         if node == _STACK:
             _, index, kind, dtype, shape, numpy_dtype = plan
-            rows, copyto = self._rows[index], np.copyto
+            rows = self._rows[index]
             if kind is np.ndarray:
                 def write_array(value: Any, i: int) -> bool:
                     if type(value) is not np.ndarray or value.dtype != numpy_dtype or value.shape != shape:
                         return False
-                    copyto(rows[i, ...], value)
+                    copy_into(rows[i, ...], value)
                     return True
                 return write_array
 
             def write_tensor(value: Any, i: int) -> bool:
-                if not _plain_cpu_tensor(value, dtype) or value.is_nested or value.shape != shape:
+                if type(value) is not torch.Tensor or value.dtype != dtype:
                     return False
-                copyto(rows[i, ...], value.numpy())
+                try:  # numpy() refuses exactly what `_plain_cpu_tensor` rules out
+                    array = value.numpy()
+                except (RuntimeError, TypeError):
+                    return False
+                if array.shape != shape:
+                    return False
+                copy_into(rows[i, ...], array)
                 return True
             return write_tensor
         if node == _OTHER:

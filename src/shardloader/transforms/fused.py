@@ -46,7 +46,7 @@ from shardloader.transforms.decode import (
 from shardloader.transforms.geometry import (
     DEFAULT_ANTIALIAS_METHOD,
     check_antialias_method,
-    flip_hwc,
+    flip_hwc_in_place,
     method_param,
     resize_cv2,
     sample_crop_box_and_flip,
@@ -153,7 +153,7 @@ class DecodeCropFlip(Transform):
         crop, flip = self._crop(sample, generator)
         out = resize_cv2(crop, self.size[0], self.size[1], self.antialias, self.antialias_method)
         if flip:
-            out = flip_hwc(out)
+            out = flip_hwc_in_place(out)  # a fresh array of ours
         return with_field(sample, self.out, out)
 
     def batch_shape(self) -> tuple[int, int, int] | None:

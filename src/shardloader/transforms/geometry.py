@@ -401,3 +401,18 @@ def flip_hwc(image: np.ndarray) -> np.ndarray:
         out = opencv().flip(image, 1)
         return out[:, :, None] if out.ndim == 2 else out
     return np.ascontiguousarray(image[:, ::-1])
+
+
+def flip_hwc_in_place(image: np.ndarray) -> np.ndarray:
+    """`flip_hwc(image)` written over `image` itself, for an array the caller just made and
+    owns (a resize's output): one array and one pass fewer per flipped sample. OpenCV's
+    horizontal flip swaps mirrored pairs, so it may write over its input; the result is
+    checked to be `image`'s memory, else OpenCV's own output is returned (the same bytes).
+    tests/test_transforms.py compares it with `flip_hwc` over dtypes, channels and sizes."""
+    if (image.dtype == np.uint8 or image.dtype == np.float32) and image.flags.c_contiguous \
+            and image.flags.writeable:
+        out = opencv().flip(image, 1, dst=image)
+        if out is image or np.shares_memory(out, image):
+            return image
+        return out[:, :, None] if out.ndim == 2 else out
+    return flip_hwc(image)
