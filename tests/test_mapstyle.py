@@ -267,3 +267,61 @@ def test_a_dataset_without_random_draws_is_read_without_seeding():
 
     assert MapStyleDataset(Pairs()).keyed_reads and not MapStyleDataset(Deterministic()).keyed_reads
     assert take(Loader(Deterministic(), batch_size=16, num_workers=2), 5) == take(Loader(Pairs(), batch_size=16), 5)
+
+
+class SometimesDraws(Pairs):
+    """Draws from `random` for some samples and from `numpy.random` for others (and from
+    neither for the rest), counting its calls: the lazily seeded reads must be those of
+    seeding every generator before every sample."""
+
+    def __init__(self, n: int = N) -> None:
+        super().__init__(n)
+        self.calls: Counter[int] = Counter()
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        self.calls[i] += 1
+        value = float(i)
+        if i % 3 == 1:
+            value += random.random()
+        if i % 5 == 2:
+            value += float(np.random.rand())
+        return torch.tensor([value, float(torch.rand(()))], dtype=torch.float64), i
+
+
+def _eager_reads(dataset, samples, epoch_keys):
+    """`dataset[i]` under every global generator seeded from its read key (the eager scope)."""
+    from shardloader.loader.mapstyle import _READ_KEY_BASE
+    from shardloader.order.keys import derive_keys
+    from shardloader.order.seeding import GlobalRngScope
+
+    read_keys = derive_keys(_READ_KEY_BASE, np.asarray(epoch_keys, dtype=np.uint64)).tolist()
+    out = []
+    with GlobalRngScope() as scope:
+        for sample, key in zip(samples, read_keys):
+            scope.seed(key)
+            out.append(dataset[sample][0])
+    return out
+
+
+def test_getitem_is_seeded_lazily_and_reads_what_eager_seeding_reads():
+    import threading
+
+    from shardloader.loader.mapstyle import MapStyleDataset
+    from shardloader.order.seeding import sample_keys
+
+    samples = np.arange(N)
+    keys = sample_keys(3, 0, samples)
+    expected = _eager_reads(SometimesDraws(), samples.tolist(), keys)
+    dataset = SometimesDraws()
+    got = MapStyleDataset(dataset).read_keyed(samples, keys, threading.Lock())
+    assert [g[0].numpy().tobytes() for g in got] == [e.numpy().tobytes() for e in expected]
+    # read again: only the first sample that drew from each generator (1 from random, 2 from numpy)
+    assert {i for i, n in dataset.calls.items() if n != 1} == {1, 2} and dataset.calls[1] == 2
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_lazily_seeded_getitem_gives_the_same_batches_for_any_worker_count(workers):
+    reference = take(Loader(SometimesDraws(), batch_size=16, shuffle=True, seed=5), 10)
+    loader = Loader(SometimesDraws(), batch_size=16, shuffle=True, seed=5, num_workers=workers)
+    assert take(loader, 10) == reference
+    loader.close()

@@ -274,36 +274,10 @@ class BatchProducer:
         # a sample that drew from one unseeded runs again with it seeded (`global_rngs`).
         with _GLOBAL_RNG_LOCK, LazyGlobalRngScope(self._globals_in_use) as scope:
             for i, (record, key) in enumerate(zip(records, keys)):
-                scope.seed(key)
-                if not scope.watching:
-                    sink(self._apply(transform, record, generator, key, samples[i]))
-                    continue
-                sink(self._apply_watched(scope, transform, record, generator, key, samples[i]))
+                sample = samples[i]
+                sink(scope.run(key, lambda watching, record=record, key=key, sample=sample: self._apply(
+                    transform, _copy(record) if watching else record, generator, key, sample)))
         return out
-
-
-    def _apply_watched(self, scope: LazyGlobalRngScope, transform: Transform, record: Any,
-                       generator: torch.Generator | None, key: int, sample: Any) -> Any:
-        """`_apply` with some global generator unseeded: run on a copy of the record (a
-        transform may change its record, and may have to run again); while the run drew from
-        an unseeded generator, seed it from now on and run again. (A seeded run can take a
-        branch the unseeded one did not, and draw from another generator: hence a loop, at
-        most one run more than there are generators.) An error counts only from a run that
-        drew from no unseeded generator."""
-        while True:
-            failure: SampleFailed | None = None
-            try:
-                result = self._apply(transform, _copy(record) if scope.watching else record,
-                                     generator, key, sample)
-            except SampleFailed as e:
-                failure = e
-            moved = scope.moved() if scope.watching else []
-            if not moved:
-                if failure is not None:
-                    raise failure
-                return result
-            scope.promote(moved)
-            scope.seed(key)
 
     def _apply(self, transform: Transform, record: Any, generator: torch.Generator | None, key: int,
                sample: Any) -> Any:

@@ -16,9 +16,13 @@ The Loader reads through one declared interface, `shardloader.loader.protocol.Lo
   `dataset[i]` with `random`, `numpy.random` and torch's global generator seeded from the
   sample's key (seed, epoch, i), then restores the process's RNG states (invariant I3). A
   generator object the dataset keeps for itself (`np.random.default_rng()` in `__init__`) is
-  not keyed: its draws depend on which worker read what, as they do under DataLoader. The
-  seeding costs 25-33 us per sample (measured on this project's 2-core machine); a dataset
-  that draws no random numbers says so with a `uses_global_rng = False` attribute and skips it.
+  not keyed: its draws depend on which worker read what, as they do under DataLoader. Torch's
+  generator is seeded per sample (~1 us); `random` and `numpy` only once `dataset[i]` is seen
+  drawing from them (`shardloader.order.global_rngs.LazyGlobalRngScope`, as for a transform):
+  the sample where it first draws from one is read again, once per generator and process.
+  Seeding all three eagerly cost 25-33 us per sample on this project's 2-core machine. A
+  dataset that draws no random numbers may still say so (`uses_global_rng = False`) and skip
+  even the torch seeding.
 - The fingerprint is the class's qualified name, the length, and the dataset's own identity
   when it offers one: a `fingerprint` attribute or method returning a string.
 - It has no shard source (`NO_SHARD_SOURCE`): no cache, no prefetch, no counters.
@@ -48,8 +52,8 @@ from shardloader.loader.protocol import (
     as_native_dataset,
     is_sharded_dataset,
 )
+from shardloader.order.global_rngs import LazyGlobalRngScope
 from shardloader.order.keys import derive_keys
-from shardloader.order.seeding import GlobalRngScope
 
 MAP_STYLE_PARTITIONS = 1
 MAP_STYLE_WINDOW = 1
@@ -127,6 +131,8 @@ class MapStyleDataset(LoaderDataset, KeyedReads):
         # The producer reads through `read_keyed` unless the dataset draws no random numbers.
         self.keyed_reads = bool(dataset.uses_global_rng) if isinstance(dataset, _DeclaresRngUse) else True
         self.index = _MapStyleIndex(int(length), f"{name} len={int(length)}{_identity(dataset)}")
+        #: The global RNGs this process has seen `dataset[i]` draw from (seeded per sample).
+        self._globals_in_use: set[str] = set()
 
     def __len__(self) -> int:
         return self.index.num_samples
@@ -157,14 +163,16 @@ class MapStyleDataset(LoaderDataset, KeyedReads):
         sample's augmentation key. `lock` serialises threads (the global RNGs are shared)."""
         read_keys = derive_keys(_READ_KEY_BASE, np.asarray(keys, dtype=np.uint64)).tolist()
         out = []
-        with lock, GlobalRngScope() as scope:
+        with lock, LazyGlobalRngScope(self._globals_in_use) as scope:
             for sample, key in zip(np.asarray(samples, dtype=np.int64).tolist(), read_keys):
-                scope.seed(key)
-                try:
-                    out.append(self.dataset[sample])
-                except Exception as e:  # noqa: BLE001 - the dataset's error, for this sample
-                    raise SampleFailed(e, sample) from None
+                out.append(scope.run(key, lambda watching, sample=sample: self._read(sample)))
         return out
+
+    def _read(self, sample: int) -> Any:
+        try:
+            return self.dataset[sample]
+        except Exception as e:  # noqa: BLE001 - the dataset's error, for this sample
+            raise SampleFailed(e, sample) from None
 
     def __repr__(self) -> str:
         return f"MapStyleDataset({self.index.fingerprint})"

@@ -37,12 +37,15 @@ from __future__ import annotations
 import ctypes
 import random
 import sys
+from collections.abc import Callable
 from types import TracebackType
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 _WORDS = 625  # MT19937: 624 state words and the position
+T = TypeVar("T")
 
 
 class StateWatch:
@@ -213,6 +216,30 @@ class LazyGlobalRngScope:
         """Seed `names` before every sample from now on, in this scope and the caller's."""
         self._eager.update(names)
         self._watches = [w for w in self._watches if w.name not in names]
+
+    def run(self, key: int, sample: Callable[[bool], T]) -> T:
+        """`sample(watching)` with the generators seeded for `key`, exactly as if all were:
+        while a run drew from an unseeded generator, that generator is seeded from now on and
+        the sample runs again (a seeded run can take a branch the unseeded one did not and
+        draw from another one: hence a loop, at most one run more than there are generators).
+        An exception counts only from a run that drew from no unseeded generator. `watching`
+        tells the sample whether it may run again (then it must not change its input in
+        place: the caller passes a copy)."""
+        self.seed(key)
+        while True:
+            watching = self.watching
+            failure: Exception | None = None
+            try:
+                result = sample(watching)
+            except Exception as e:  # noqa: BLE001 - re-raised below unless the run was unseeded
+                failure = e
+            moved = self.moved() if watching else []
+            if not moved:
+                if failure is not None:
+                    raise failure
+                return result
+            self.promote(moved)
+            self.seed(key)
 
     def __exit__(
         self,
