@@ -141,6 +141,15 @@ class ArrowShardReader:
         else:
             self._map.close()
 
+    def __del__(self) -> None:
+        """A reader dropped without `close()` (a Dataset freed unclosed, as most are) gives its
+        descriptor back: the mmap unmaps itself when freed, the raw descriptor would not."""
+        if "_map" in self.__dict__ and "_guard" in self.__dict__:
+            try:
+                self.close()
+            except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to free
+                pass
+
     def __enter__(self) -> ArrowShardReader:
         return self
 

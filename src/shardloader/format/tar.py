@@ -258,7 +258,7 @@ def load_offsets(path: str, info: ShardEntry) -> TarOffsets:
 
 def _open_fd(path: str, info: ShardEntry) -> int:
     try:
-        return os.open(path, os.O_RDONLY)
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ShardError(f"{path}: shard file is missing (listed as {info.path!r})") from None
     except OSError as e:
@@ -295,7 +295,7 @@ class TarShardReader:
         """A reader of a tar no index describes: its member table comes from a header scan."""
         reader = cls.__new__(cls)
         reader.path = path
-        reader._fd = os.open(path, os.O_RDONLY)
+        reader._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             reader._guard = FileGuard(path, reader._fd)
             reader._table = scan_tar(path)
