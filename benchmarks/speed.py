@@ -564,10 +564,10 @@ def figures(results: dict[str, Any]) -> list[Figure]:
     speed = row("samples/s, fast path (ours: DecodeCropFlip(112); FFCV: its decoder + RRC; "
                 "SPDL: FFmpeg crop + scale + flip)",
                 "{:,.0f}", True, "fast", lambda c: _median(rates(c)), fast,
-                goal="≥ 1.2× FFCV", check=lambda o, p: o >= 1.2 * p["FFCV"],
+                goal="≥ 1.3× FFCV", check=lambda o, p: o >= 1.3 * p["FFCV"],
                 ratio=best_ratio("fast"),
                 # against the best peer: at least as strict as against FFCV
-                ratio_check=lambda r, p: p["FFCV"] > 0 and r >= 1.2)
+                ratio_check=lambda r, p: p["FFCV"] > 0 and r >= 1.3)
     cpu = row("CPU s per 1k samples (process tree)", "{:.2f}", False, "isolated",
               lambda c: iso.get(c, {}).get("cpu_per_sample", None) and
               iso[c]["cpu_per_sample"] * 1000, fast, goal="≤ FFCV's",
@@ -586,8 +586,8 @@ def figures(results: dict[str, Any]) -> list[Figure]:
             if cpu and limits else None
 
     frac = row(f"fraction of the fast stack's limit (DecodeCropFlip plain loop × {cores} cores)",
-               "{:.2f}", True, "fast", fraction, fast, goal="≥ 0.85",
-               check=lambda o, p: o >= 0.85)
+               "{:.2f}", True, "fast", fraction, fast, goal="≥ 0.93",
+               check=lambda o, p: o >= 0.93)
     eff = row("  CPU efficiency: the loop's CPU per sample ÷ the loader's (the fraction on an "
               "idle machine)", "{:.2f}", None, "fast", efficiency, fast)
     lim = [
@@ -605,9 +605,14 @@ def figures(results: dict[str, Any]) -> list[Figure]:
                 lambda c: _median([a / b for a, b in zip(rates(c), lim_whole)]) if rates(c) else None,
                 fast),
         ]
-    stall = row("stall with a consumer at 80% of capacity", "{:.1%}", False, "stall",
-                lambda c: ip["stalls"].get(f"{c}|fast"), fast, goal="≤ 2%",
-                check=lambda o, p: o <= 0.02)
+    def worst_stall(c: str) -> float | None:
+        """The issue's goal holds on every pass: the worst pass (the median where runs saved
+        before kept only that)."""
+        passes = ip.get("stall_passes", {}).get(f"{c}|fast")
+        return max(passes) if passes else ip["stalls"].get(f"{c}|fast")
+
+    stall = row("stall with a consumer at 80% of capacity (the worst pass)", "{:.1%}", False,
+                "stall", worst_stall, fast, goal="≤ 1%, every pass", check=lambda o, p: o <= 0.01)
     ttfb = row("first batch, local (s; fresh process, construction → batch)", "{:.2f}", False,
                "isolated", lambda c: _median(iso.get(c, {}).get("ttfb")), fast, goal="≤ 0.2 s",
                check=lambda o, p: o <= 0.2)
