@@ -40,6 +40,28 @@ shared machine hits both alike; the table gives medians over `--rounds` rounds.
 `--baseline-src` adds a third loader: shardloader imported from another source tree (e.g. a
 `git archive` of an older commit), so a change is measured before/after in the same run.
 
+`--remote`: the same work read from S3 instead of local files, against the peers that read
+S3 (issue 24: "peak RSS, remote ... goal <= best remote peer"): moto's S3 server on 127.0.0.1
+in a process of its own (`benchmarks/_s3.py`, outside the measured tree) holds the Arrow
+shards and mosaicml-streaming's MDS shards (and litdata's chunks, with `--only ... litdata`);
+each run starts from a fresh, empty local cache, so its peaks include downloading. Loaders:
+shardloader's `Loader` over `s3://` (its node cache) and mosaicml-streaming's
+`StreamingDataset` + `StreamingDataLoader` (`benchmarks.peers`' adapters, as in
+`benchmarks/speed.py`'s cold start). Run it from the benchmark venv, which has the peers:
+
+    .venv-bench/bin/python -m benchmarks.memory --remote --n 20000 --rounds 3   # ~2.5 min
+
+A whole epoch of the 20k set, so that what downloading leaves in the training process shows
+(with 30 batches of 3k images most shards are still on their way).
+
+`--step-ms`: the loop waits that long per batch, as a training step on a GPU makes it (by
+default it only takes batches, so the workers never wait for it: the pipeline is the workers').
+With a step longer than a batch takes to make, the workers wait between tasks, as they mostly do
+in training.
+
+The measured tree is the run's process and all its descendants (a loader's helper processes,
+and their children, count).
+
 `run(...)` returns the figures as a dict for other benchmark scripts (see `benchmarks.run_all`).
 """
 
@@ -48,33 +70,48 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchmarks._common import child_pids, load_average, machine, table
+from benchmarks._common import load_average, machine, table, tree_pids
 from benchmarks._measure import smaps_rollup
 
 LOADERS = ("shardloader", "dataloader")
+#: The loaders of `--remote` (reading S3); each has a layout on the server (see `_layouts`).
+REMOTE_LOADERS = ("shardloader", "mosaic", "litdata")
+REMOTE_DEFAULT = ("shardloader", "mosaic")
 LABELS = {"shardloader": "shardloader Loader (Arrow)", "dataloader": "torch DataLoader (files)",
-          "baseline": "shardloader Loader, --baseline-src"}
+          "baseline": "shardloader Loader, --baseline-src",
+          "mosaic": "mosaicml-streaming (MDS)", "litdata": "litdata (chunks)"}
+REMOTE_LABELS = {"shardloader": "shardloader Loader (Arrow, S3)",
+                 "baseline": "shardloader Loader, --baseline-src (S3)",
+                 "mosaic": "mosaicml-streaming (MDS, S3)", "litdata": "litdata (chunks, S3)"}
+#: The peer each remote run compares shardloader with (the issue's goal: <= the best of them).
+_PEERS = ("dataloader", "mosaic", "litdata")
 #: Libraries whose shared objects in a process's address space tell what it imported.
 _LIBRARIES = ("pandas", "cv2", "pyarrow", "mlflow", "simplejpeg", "PIL", "numpy", "torch",
               "scipy", "sqlalchemy", "xxhash", "fsspec")
 _ROLLUP_FIELDS = ("Rss", "Pss", "Pss_Anon", "Pss_File", "Pss_Shmem")
 _MIB = 1024.0  # smaps values are in kB
+_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 
 
 # -- the measured process ---------------------------------------------------------------------
 
 
-def _child(which: str, n: int, batches: int, workers: int) -> None:
-    """One measured run (in its own process): prints a JSON line with its timings."""
+def _child(which: str, n: int, batches: int, workers: int, endpoint: str | None = None,
+           cache_dir: str | None = None, step_s: float = 0.0) -> None:
+    """One measured run (in its own process): prints a JSON line with its timings. With
+    `endpoint`, the loader reads from that S3 server into `cache_dir` (empty); with `step_s`,
+    the loop spends that long on each batch (a training step: see `--step-ms`)."""
     import torch  # noqa: F401 - what a training script has imported before it builds a loader
 
     from benchmarks import peers
@@ -82,10 +119,19 @@ def _child(which: str, n: int, batches: int, workers: int) -> None:
 
     images = prepare_images(n, log=lambda _: None)
     peers.WORKERS = workers
+    remote = None
+    if endpoint:
+        from benchmarks._s3 import S3Endpoint
+
+        remote = peers.Remote(S3Endpoint(endpoint), cache_dir or "")
     if which == "shardloader":
         from shardloader import Dataset, Loader  # noqa: F401 - top-level names, loaded now
 
-        peer = peers.shardloader_peer(images)
+        peer = peers.shardloader_peer(images, remote=remote)
+    elif which == "mosaic":
+        peer = peers.mosaic_peer(images, remote=remote)
+    elif which == "litdata":
+        peer = peers.litdata_peer(images, remote=remote)
     else:
         peer = peers.dataloader_peer(images)
     _mark("start")
@@ -99,6 +145,8 @@ def _child(which: str, n: int, batches: int, workers: int) -> None:
     t1 = time.perf_counter()
     for _ in it:
         count += 1
+        if step_s:
+            time.sleep(step_s)  # the step runs elsewhere (a GPU): this process waits
         if batches and count >= batches:
             break
     rest = time.perf_counter() - t1
@@ -185,14 +233,30 @@ def _machine_shmem() -> int:
 
 
 def _measure(which: str, n: int, batches: int, workers: int, interval: float,
-             baseline_src: str | None = None) -> RunResult:
-    """Run one measured process and sample its tree until it exits."""
+             baseline_src: str | None = None, s3: Any = None, step_ms: float = 0.0) -> RunResult:
+    """Run one measured process and sample its tree until it exits. With `s3` (an
+    `benchmarks._s3.S3Endpoint`), the loader reads from there into a fresh empty cache."""
     child = "shardloader" if which == "baseline" else which
     cmd = [sys.executable, "-m", "benchmarks.memory", "--child", child, "--n", str(n),
-           "--batches", str(batches), "--workers", str(workers)]
+           "--batches", str(batches), "--workers", str(workers), "--step-ms", str(step_ms)]
     # Bytecode caches as an installed package has them (a dev shell that sets
     # PYTHONDONTWRITEBYTECODE would have every run compile shardloader's sources again).
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    cache = None
+    if s3 is not None:
+        cache = tempfile.mkdtemp(prefix=f"memory-{which}-", dir=_OUT)
+        cmd += ["--endpoint", s3.endpoint, "--cache-dir", cache]
+        env.update(s3.env())  # mosaicml-streaming reads the endpoint and keys from there
+    try:
+        return _sample(which, cmd, env, interval, baseline_src)
+    finally:
+        if cache is not None:
+            shutil.rmtree(cache, ignore_errors=True)
+
+
+def _sample(which: str, cmd: list[str], env: dict[str, str], interval: float,
+            baseline_src: str | None) -> RunResult:
+    """Start `cmd` and sample its process tree until it exits."""
     if which == "baseline":
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(baseline_src or ""), root])
@@ -222,7 +286,7 @@ def _measure(which: str, n: int, batches: int, workers: int, interval: float,
     first_out.wait()
     while proc.poll() is None:
         total_rss = total_pss = 0
-        tree = [(proc.pid, "main")] + [(c, "") for c in child_pids(proc.pid)]
+        tree = [(proc.pid, "main")] + [(c, "") for c in tree_pids(proc.pid)[1:]]
         seen = 0
         for pid, role in tree:
             values = _rollup(pid)
@@ -276,35 +340,86 @@ def _breakdown(result: RunResult) -> str:
 
 def run(n: int = 20_000, *, batches: int = 0, rounds: int = 3, workers: int = 2,
         interval: float = 0.02, only: list[str] | None = None, baseline_src: str | None = None,
+        remote: bool = False, step_ms: float = 0.0,
         log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Measure, print the table and the per-process breakdown, and return the figures."""
+    """Measure, print the table and the per-process breakdown, and return the figures. With
+    `remote`, every loader reads from moto's S3 (see the module's docstring)."""
     from benchmarks._images import describe, prepare_images
 
     images = prepare_images(n, log=log)
-    names = [w for w in LOADERS if not only or w in only] + (["baseline"] if baseline_src else [])
+    choices = REMOTE_LOADERS if remote else LOADERS
+    default = REMOTE_DEFAULT if remote else LOADERS
+    names = [w for w in (choices if only else default) if not only or w in only]
+    names += ["baseline"] if baseline_src else []
+    labels = REMOTE_LABELS if remote else LABELS
     log(f"{describe(images)}; {machine()}; {load_average()}")
     log(f"work: DecodeCropFlip(112), batch 64, {workers} workers, "
-        f"{'whole epoch' if not batches else f'{batches} batches'}; {rounds} alternating rounds")
+        f"{'whole epoch' if not batches else f'{batches} batches'}; {rounds} alternating rounds"
+        f"{'; from S3 (moto on loopback), each run with an empty cache' if remote else ''}"
+        f"{f'; a {step_ms:g} ms step per batch' if step_ms else '; no step (the loop only takes batches)'}")
+
+    def measure(which: str, s3: Any = None) -> RunResult:
+        return _measure(which, n, batches, workers, interval, baseline_src, s3, step_ms)
+
+    if not remote:
+        runs = _rounds(names, rounds, measure, log)
+    else:
+        from benchmarks._s3 import S3Process
+
+        layouts = _layouts(images, names, log)
+        log(f"starting moto S3 and uploading {', '.join(layouts)} ...")
+        with S3Process(layouts) as server:
+            runs = _rounds(names, rounds, lambda which: measure(which, server.at), log)
+    figures = _report(runs, labels, log)
+    for which in names:
+        log(f"\n{labels[which]}, per process (last round; peaks over the run):\n")
+        log(_breakdown(runs[which][-1]))
+    log(f"\n{load_average()}")
+    return figures
+
+
+def _layouts(images: Any, names: list[str], log: Callable[[str], None]) -> dict[str, str]:
+    """The folders the S3 server holds for these loaders (layout name -> local folder)."""
+    layouts = {"arrow": images.arrow_dir}
+    if "mosaic" in names:
+        from benchmarks._images import prepare_mds
+
+        layouts["mds"] = prepare_mds(images, log=log)
+    if "litdata" in names:
+        from benchmarks._images import prepare_litdata
+
+        layouts["litdata"] = prepare_litdata(images, log=log)
+    return layouts
+
+
+def _rounds(names: list[str], rounds: int, measure: Callable[[str], RunResult],
+            log: Callable[[str], None]) -> dict[str, list[RunResult]]:
+    """Every loader once per round, in alternating order (A B, B A, ...)."""
     runs: dict[str, list[RunResult]] = {w: [] for w in names}
     for r in range(rounds):
         order = names if r % 2 == 0 else names[::-1]
         for which in order:
-            result = _measure(which, n, batches, workers, interval, baseline_src)
+            result = measure(which)
             runs[which].append(result)
             log(f"  round {r + 1} {which}: first batch {result.first_batch_s:.3f} s, peak RSS "
                 f"{result.peak_rss_mib:,.0f} MiB (PSS {result.peak_pss_mib:,.0f}), machine Shmem "
-                f"+{result.shmem_growth_mib:,.1f} MiB, "
-                f"{result.batches} batches, {result.samples} samples of the tree")
+                f"+{result.shmem_growth_mib:,.1f} MiB, {result.batches} batches, "
+                f"{len(result.processes)} processes, {result.samples} samples of the tree")
+    return runs
+
+
+def _report(runs: dict[str, list[RunResult]], labels: dict[str, str],
+            log: Callable[[str], None]) -> dict[str, Any]:
+    """The medians' table and shardloader's ratios to each peer; the medians by loader."""
     rows, figures = [], {}
-    for which in names:
-        rs = runs[which]
+    for which, rs in runs.items():
         f = {"first_batch_s": _median([x.first_batch_s for x in rs]),
              "peak_rss_mib": _median([x.peak_rss_mib for x in rs]),
              "peak_pss_mib": _median([x.peak_pss_mib for x in rs]),
              "shmem_growth_mib": _median([x.shmem_growth_mib for x in rs]),
              "first_batch_all": [round(x.first_batch_s, 4) for x in rs]}
         figures[which] = f
-        rows.append([LABELS[which], f["peak_rss_mib"], f["peak_pss_mib"], f["shmem_growth_mib"],
+        rows.append([labels[which], f["peak_rss_mib"], f["peak_pss_mib"], f["shmem_growth_mib"],
                      f["first_batch_s"],
                      " ".join(f"{x:.3f}" for x in f["first_batch_all"])])
     log("")
@@ -312,15 +427,12 @@ def run(n: int = 20_000, *, batches: int = 0, rounds: int = 3, workers: int = 2,
                "machine Shmem growth MiB", "first batch s (median)",
                "first batch s (runs)"], rows))
     for mine in ("shardloader", "baseline"):
-        if mine in figures and "dataloader" in figures:
-            a, b = figures[mine], figures["dataloader"]
-            log(f"\n{LABELS[mine]} / DataLoader: peak RSS {a['peak_rss_mib'] / b['peak_rss_mib']:.2f}x, "
-                f"peak PSS {a['peak_pss_mib'] / b['peak_pss_mib']:.2f}x, first batch "
+        for peer in (p for p in _PEERS if p in figures and mine in figures):
+            a, b = figures[mine], figures[peer]
+            log(f"\n{labels[mine]} / {labels[peer]}: peak RSS "
+                f"{a['peak_rss_mib'] / b['peak_rss_mib']:.2f}x, peak PSS "
+                f"{a['peak_pss_mib'] / b['peak_pss_mib']:.2f}x, first batch "
                 f"{a['first_batch_s'] / b['first_batch_s']:.2f}x")
-    for which in names:
-        log(f"\n{LABELS[which]}, per process (last round; peaks over the run):\n")
-        log(_breakdown(runs[which][-1]))
-    log(f"\n{load_average()}")
     return figures
 
 
@@ -331,15 +443,30 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--interval", type=float, default=0.02, help="seconds between samples")
-    parser.add_argument("--only", nargs="*", choices=LOADERS)
+    parser.add_argument("--only", nargs="*", choices=sorted({*LOADERS, *REMOTE_LOADERS}),
+                        help=f"which loaders (local: {', '.join(LOADERS)}; --remote: "
+                             f"{', '.join(REMOTE_LOADERS)})")
     parser.add_argument("--baseline-src", help="also run shardloader imported from this src folder")
-    parser.add_argument("--child", choices=LOADERS, help=argparse.SUPPRESS)
+    parser.add_argument("--remote", action="store_true",
+                        help="read from S3 (moto on loopback) against the S3 peers")
+    parser.add_argument("--child", choices=sorted({*LOADERS, *REMOTE_LOADERS}),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="ms the loop waits per batch, as for a training step on a GPU "
+                             "(0: none, the workers never wait for the loop)")
+    parser.add_argument("--endpoint", help=argparse.SUPPRESS)
+    parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        _child(args.child, args.n, args.batches, args.workers)
+        _child(args.child, args.n, args.batches, args.workers, args.endpoint, args.cache_dir,
+               args.step_ms / 1000)
         return
+    choices = REMOTE_LOADERS if args.remote else LOADERS
+    if args.only and not set(args.only) <= set(choices):
+        parser.error(f"--only: {'--remote' if args.remote else 'local'} runs take {', '.join(choices)}")
     run(args.n, batches=args.batches, rounds=args.rounds, workers=args.workers,
-        interval=args.interval, only=args.only, baseline_src=args.baseline_src)
+        interval=args.interval, only=args.only, baseline_src=args.baseline_src,
+        remote=args.remote, step_ms=args.step_ms)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ structure, slots reused and grown, never blocking a worker."""
 from __future__ import annotations
 
 import multiprocessing
+import os
 
 import numpy as np
 import pytest
@@ -130,6 +131,54 @@ def test_a_worker_never_waits_for_a_slot(pair):
         assert torch.equal(reader.unpack(0, p, wanted=True)["x"], torch.full((5,), float(i)))
     reader.give_back_freed()  # the batches were dropped: their slots go home
     assert writer.pack({"x": torch.zeros(5)}).slot == 0
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    release = os.uname().release.split("-")[0].split(".")
+    return (int(release[0]), int(release[1])) >= (major, minor)
+
+
+def resident_bytes(tensor: torch.Tensor) -> int:
+    """How much of this process's mapping that starts at `tensor`'s memory is in its page
+    tables (the mapping's Rss in /proc/self/smaps)."""
+    start = f"{tensor.data_ptr():x}-"
+    with open("/proc/self/smaps") as f:
+        lines = iter(f.read().splitlines())
+    for line in lines:
+        if line.startswith(start):
+            for field in lines:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1]) * 1024
+    raise AssertionError(f"no mapping starts at {start}")
+
+
+def test_an_idle_writer_lets_go_of_its_slots_pages_and_the_bytes_stay(pair):
+    """With nothing to do, the worker unmaps its slots' pages (its RSS keeps none of them); the
+    bytes stay in shared memory for the loader, and a slot taken again is mapped in one call
+    before it is written."""
+    writer, reader = pair
+    batch = {"x": torch.arange(1 << 18, dtype=torch.int32), "y": torch.arange(3)}  # 1 MiB
+    packed = writer.pack(batch)
+    slot = writer._slots[packed.slot]
+    assert resident_bytes(slot) >= 1 << 20
+    writer.idle()
+    assert resident_bytes(slot) == 0
+    out = reader.unpack(0, packed, wanted=True)
+    assert_identical(out, batch)  # read back from the shared memory, byte for byte
+    del out
+    reader.give_back_freed()
+    # Here reader and writer share one mapping, which that read mapped again: let go again.
+    writer._pages.release(slot)
+    assert resident_bytes(slot) == 0
+    images = writer.allocate((1 << 20,), torch.uint8)  # the same slot, taken again
+    assert images.data_ptr() == slot.data_ptr()
+    if _kernel_at_least(5, 14):  # MADV_POPULATE_WRITE: mapped in one call, before written
+        assert resident_bytes(slot) >= 1 << 20
+    images.fill_(7)
+    again = reader.unpack(0, writer.pack({"image": images}), wanted=True)
+    assert torch.equal(again["image"], torch.full((1 << 20,), 7, dtype=torch.uint8))
+    writer.idle()
+    assert resident_bytes(slot) == 0  # and once more: released slots are tracked per use
 
 
 def test_a_discarded_batch_still_gives_its_slot_back(pair):

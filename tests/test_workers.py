@@ -8,6 +8,7 @@ import gc
 import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -153,6 +154,67 @@ def test_a_loop_that_drops_its_batches_reuses_a_few_slots(dataset_dir):
         assert len(loader._pool._slots._slots) <= 2 * (2 + 6)
     finally:
         loader.close()
+
+
+@pytest.mark.parametrize("prefetch_factor", [1, 3])
+def test_a_worker_makes_prefetch_factor_plus_one_slots(dataset_dir, prefetch_factor):
+    """The bound on the slots a worker creates, for any prefetch_factor: its batches in flight
+    (being made or waiting to be taken: prefetch_factor) and the one the loop holds. The
+    dropped one before it is back when the loop asks for its next batch, before the task that
+    reuses it is submitted."""
+    loader = make(dataset_dir, prefetch_factor=prefetch_factor)
+    try:
+        for _ in range(2):
+            for batch in loader:
+                batch["crop"].add_(1)
+        made = [worker for worker, _ in loader._pool._slots._slots]
+        assert max(made.count(0), made.count(1)) <= prefetch_factor + 1, made
+    finally:
+        loader.close()
+
+
+def _shared_resident(pid: int) -> int:
+    """Bytes of torch shared-memory mappings (the batch slots) in process `pid`'s page tables."""
+    total, in_shm = 0, False
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's header line
+                in_shm = "/dev/shm/torch_" in line
+            elif in_shm and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def wide_crop(sample: dict, generator: torch.Generator) -> dict:
+    """noisy_crop with 64 KiB more per sample: batches of 32 fill 2 MiB of a slot."""
+    out = noisy_crop(sample, generator)
+    return {**out, "wide": torch.full((64 << 10,), sample["label"], dtype=torch.uint8)}
+
+
+def test_an_idle_worker_maps_none_of_its_slots(dataset_dir):
+    """A worker waiting for its next task unmaps its slots' pages (the bytes stay in shared
+    memory for the loader): as DataLoader's idle worker maps no batch, where without it each
+    would keep the prefetch_factor + 1 slots it cycles through. Checked while the loop holds a
+    batch and every other submitted batch waits, and the batches stay exact."""
+    expected = list(make(dataset_dir, num_workers=0, batch_size=32, transform=wide_crop))
+    loader = make(dataset_dir, prefetch_factor=2, batch_size=32, transform=wide_crop)
+    try:
+        it = iter(loader)
+        got = [next(it)]
+        assert got[0]["wide"].numel() == 32 << 16  # 2 MiB: each slot written has 2 MiB mapped
+        deadline = time.monotonic() + 60
+        while loader._pool.ready() < 2 * 2 - 1:  # every other submitted batch arrived
+            assert time.monotonic() < deadline, "the workers did not fill the prefetch"
+            time.sleep(0.01)
+        assert len(loader._pool._slots._slots) >= 4  # both workers made several slots
+        for pid in loader._pool.pids():  # each lets go once its task queue is empty
+            while _shared_resident(pid) > 0:
+                assert time.monotonic() < deadline, (pid, _shared_resident(pid))
+                time.sleep(0.01)
+        got += list(it)
+    finally:
+        loader.close()
+    assert_identical(got, expected)
 
 
 @pytest.mark.parametrize("body_seconds", [0.0, 0.02])

@@ -83,6 +83,8 @@ def _worker_main(start: WorkerStart, producer: BatchProducer, tasks: Any, result
     progress.finish(worker_id)
     while True:
         try:
+            if tasks.empty():  # nothing to do until the loader asks: see slots (`idle`)
+                writer.idle()
             task = tasks.get()
         except (EOFError, OSError):  # every write end is closed: the training process is gone
             return
