@@ -78,6 +78,8 @@ class EpochIterator:
         self.prefetch = EpochPrefetch(self.dataset, self.plan, self.epoch, range(first_step, self.steps),
                                       num_workers=workers.num_workers)
         self.prefetch.before_workers(workers)
+        if workers.forks and workers.would_inherit():
+            self.plan.order(self.epoch)  # built once, here: forked workers share it (see plan.py)
         self.pool = workers.get()
         self.prefetch.after_workers_started(workers.depth)
         self.pool.discard_pending()

@@ -107,39 +107,69 @@ class ShuffleSettings:
                 "order": ORDER_VERSION}
 
 
+def prefix_sums(counts: np.ndarray) -> np.ndarray:
+    """int64 [0, c0, c0 + c1, ...] (length len(counts) + 1), made in one array."""
+    out = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, dtype=np.int64, out=out[1:])
+    return out
+
+
 def _even_cuts(n: int, parts: int) -> np.ndarray:
     """Start offsets of `parts` contiguous ranges of [0, n), sizes equal ±1, larger first."""
     k = np.arange(parts + 1, dtype=np.int64)
     return k * (n // parts) + np.minimum(k, n % parts)
 
 
+def _compact(values: np.ndarray, bound: int) -> np.ndarray:
+    """`values` (all in [0, bound)) as int32 where that holds them, else int64: the arrays an
+    order keeps per piece cost 4 bytes instead of 8 in every process that builds one."""
+    return values.astype(np.int32 if bound < 2**31 else np.int64, copy=False)
+
+
 class EpochOrder:
     """The sample order of one epoch. `samples_at(positions)` is the whole API.
 
-    `shard_sizes` are the per-shard sample counts from the index (shard order = write order).
+    `shard_sizes` are the per-shard sample counts from the index (shard order = write order);
+    `shard_offsets`, when given, their prefix sums (length S + 1, from 0): a plan passes the
+    one array it keeps for all epochs instead of a new one per order.
+
+    Memory: what is kept is 16 bytes per piece (pieces <= shards + lanes: a shard and a row as
+    int32 where they fit, a layout start as int64) and 8 bytes per window, besides the sizes
+    and offsets it is given. Building it costs a few more O(pieces) temporaries, dropped before
+    it returns. A forked worker that finds the order built by its parent shares all of it.
     """
 
-    def __init__(self, shard_sizes: np.ndarray, seed: int, epoch: int, settings: ShuffleSettings):
+    def __init__(self, shard_sizes: np.ndarray, seed: int, epoch: int, settings: ShuffleSettings,
+                 shard_offsets: np.ndarray | None = None):
         sizes = np.asarray(shard_sizes, dtype=np.int64)
         if sizes.ndim != 1 or (sizes.size and sizes.min() < 0):
             raise ValueError("shard_sizes must be a 1-D array of non-negative counts")
         self.settings = settings
         self.seed = int(seed)
         self.epoch = int(epoch)
-        self.num_samples = int(sizes.sum())
         self.shard_sizes = sizes
-        self.shard_offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        if shard_offsets is None:
+            shard_offsets = prefix_sums(sizes)
+        elif shard_offsets.shape != (sizes.size + 1,) or shard_offsets.dtype != np.int64:
+            raise ValueError("shard_offsets must be the int64 prefix sums of shard_sizes (length S + 1)")
+        self.shard_offsets = shard_offsets
+        self.num_samples = int(shard_offsets[-1])
         if not settings.shuffle:
             return
-        n, parts, lanes = self.num_samples, settings.partitions, settings.lanes
+        n, parts = self.num_samples, settings.partitions
         self.partition_start = _even_cuts(n, parts)
         self.row_key = derive_key(TAG_ROWS, self.seed, self.epoch)
         self.window_key = derive_key(TAG_WINDOW, self.seed, self.epoch)
         if n == 0:
             self._set_layout(*(np.zeros(0, dtype=np.int64),) * 4)
             return
-        # Temporaries are dropped as soon as they are used: peak memory stays a few O(pieces)
-        # arrays (pieces <= shards + lanes).
+        self._set_layout(*self._pieces(sizes, n))
+
+    def _pieces(self, sizes: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(shard, row start, length, window id) of every piece, in layout order (steps 2-4 of
+        the module doc). Temporaries are dropped as soon as they are used: the peak stays a few
+        O(pieces) arrays (pieces <= shards + lanes)."""
+        parts, lanes = self.settings.partitions, self.settings.lanes
         nonempty = np.flatnonzero(sizes > 0)
         # 2. The circle (index order) rotated by rho; lanes are equal cuts of the rotated circle.
         rho = derive_key(TAG_ROTATE, self.seed, self.epoch) % n if nonempty.size > 1 else 0
@@ -151,12 +181,13 @@ class EpochOrder:
         keep = lengths > 0
         cuts, lengths = cuts[keep], lengths[keep]
         del keep
-        lane = np.searchsorted(lane_start, cuts, "right") - 1
+        lane = _compact(np.searchsorted(lane_start, cuts, "right") - 1, lanes)
         cuts += rho
         cuts %= n  # now the base (index order) position of each piece's first sample
-        shard = np.searchsorted(self.shard_offsets, cuts, "right") - 1
+        shard = _compact(np.searchsorted(self.shard_offsets, cuts, "right") - 1, sizes.size)
         cuts -= self.shard_offsets[shard]  # now the offset into the shard's permuted rows
-        row_start = cuts
+        row_start = _compact(cuts, int(sizes.max()))
+        del cuts
         # 3. Pieces of a lane in a keyed random order: u = rank of the piece within its lane,
         # except the lane's end pieces, which may be parts of shards cut by a lane boundary.
         # Lanes of several pieces alternate around the circle: one reads its first piece first
@@ -166,35 +197,50 @@ class EpochOrder:
         piece_keys = derive_keys(derive_key(TAG_PIECES, self.seed, self.epoch), np.arange(lane.size))
         piece_keys >>= np.uint64(1)
         piece_keys += np.uint64(1)  # interior pieces: keys in [1, 2**63]
-        head = np.ones(lane.size, dtype=bool)
-        head[1:] = lane[1:] != lane[:-1]
-        tail = np.ones(lane.size, dtype=bool)
-        tail[:-1] = lane[1:] != lane[:-1]
         multi = np.bincount(lane, minlength=lanes) > 1
         odd = ((np.cumsum(multi) - multi) & 1).astype(bool)[lane]
         first, last = np.uint64(0), np.uint64(_LAST_KEY)
+        tail = np.ones(lane.size, dtype=bool)
+        tail[:-1] = lane[1:] != lane[:-1]
         piece_keys[tail] = np.where(odd[tail], first, last)
+        del tail
+        head = np.ones(lane.size, dtype=bool)
+        head[1:] = lane[1:] != lane[:-1]
         piece_keys[head] = np.where(odd[head], last, first)  # a lane of one piece: either way
+        del head, odd
         order = np.lexsort((piece_keys, lane))
+        del piece_keys
+        in_order = lane[order]
         u = np.empty(lane.size, dtype=np.int64)
-        u[order] = np.arange(lane.size) - np.searchsorted(lane[order], lane[order], "left")
+        u[order] = np.arange(lane.size) - np.searchsorted(in_order, in_order, "left")
+        del order, in_order
         # 4. Layout: partition-major, then window u, then the lane's place i in the partition.
         order = np.lexsort((lane // parts, u, lane % parts))
         window_id = (lane % parts)[order] * np.int64(1 << 32) + u[order]
-        del u
-        self._set_layout(shard[order], row_start[order], lengths[order], window_id)
+        del u, lane
+        return shard[order], row_start[order], lengths[order], window_id
 
     def _set_layout(self, shard: np.ndarray, row_start: np.ndarray, length: np.ndarray,
                     window_id: np.ndarray) -> None:
         self.piece_shard = shard
         self.piece_row = row_start
-        self.piece_start = np.concatenate([[0], np.cumsum(length)]).astype(np.int64)
-        # Windows are runs of equal window_id in the layout; each piece knows its window.
+        self.piece_start = prefix_sums(length)
+        # Windows are runs of equal window_id in the layout. They are kept as their layout
+        # starts alone: partition k's windows are u = 0, 1, ... in a row (a lane's pieces are
+        # ranked from 0 without gaps), so window j's id is k << 32 | (j - first window of k).
         new = np.ones(window_id.size, dtype=bool)
         new[1:] = window_id[1:] != window_id[:-1]
-        self.window_id = window_id[new]
         self.window_start = np.append(self.piece_start[:-1][new], self.piece_start[-1])
-        self.piece_window = np.cumsum(new) - 1
+        window_partition = window_id[new] >> np.int64(32)
+        self.partition_window = np.searchsorted(window_partition, np.arange(self.settings.partitions + 1))
+
+    def nbytes(self) -> int:
+        """Bytes of the arrays this order made (its pieces and windows; not the sizes and
+        offsets it was given)."""
+        if not self.settings.shuffle:
+            return 0
+        return sum(a.nbytes for a in (self.partition_start, self.piece_shard, self.piece_row,
+                                      self.piece_start, self.window_start, self.partition_window))
 
     def layout_samples(self, virtual: np.ndarray) -> np.ndarray:
         """Sample at each layout position (the partitions laid end to end, before the window
@@ -215,11 +261,13 @@ class EpochOrder:
         if not self.settings.shuffle or p.size == 0:
             return p.copy()
         parts = self.settings.partitions
-        v = self.partition_start[p % parts] + p // parts
-        piece = np.searchsorted(self.piece_start, v, "right") - 1
-        window = self.piece_window[piece]
+        partition = p % parts
+        v = self.partition_start[partition] + p // parts
+        window = np.searchsorted(self.window_start, v, "right") - 1
         lo, hi = self.window_start[window], self.window_start[window + 1]
-        keys = derive_keys(self.window_key, self.window_id[window])
+        # The window's id, partition << 32 | u (see _set_layout): v lies in its partition's windows.
+        ids = (partition << np.int64(32)) + (window - self.partition_window[partition])
+        keys = derive_keys(self.window_key, ids)
         return self.layout_samples(lo + feistel_permute(v - lo, hi - lo, keys))
 
     def shards_of(self, samples: np.ndarray) -> np.ndarray:

@@ -18,6 +18,7 @@ from typing import Any
 from shardloader.errors import DatasetIndexError
 from shardloader.format.index import INDEX_NAME, Index
 from shardloader.io.paths import is_local, join_url, strip_file_scheme
+from shardloader.runtime.heap import trim_heap
 
 #: Index files from this size on (about 4,000 shards) are followed by a heap trim: below it
 #: there is little to give back. A trim costs about a millisecond (0.6 ms after 10^4 shards).
@@ -79,17 +80,3 @@ def _load_table_form(url: str, index_url: str, text: bytes,
     if len(table) >= _TRIM_BYTES:  # the checks' temporaries (a few arrays per shard) go back
         trim_heap()
     return Index.from_json(data, source=index_url, shard_columns=columns)
-
-
-def trim_heap() -> bool:
-    """Give the C heap's free pages back to the kernel (glibc only); whether it could."""
-    import ctypes  # here: most indexes are small, and most processes never need it
-
-    try:
-        trim = ctypes.CDLL(None).malloc_trim  # the symbols the process has: glibc's, on Linux
-    except (OSError, AttributeError):
-        return False
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    trim(0)
-    return True
