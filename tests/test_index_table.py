@@ -202,3 +202,14 @@ def test_repeated_long_paths_are_refused(tmp_path):
     long = "d/" * 60 + "x.arrow"  # past the per-position hashing: the other way finds it too
     _hostile(tmp_path, path=["p0", long, "p2", long[:-1], long, "p5"])
     _refused(tmp_path, "column 'path', row 4 repeats path")
+
+
+def test_rewriting_a_table_form_dataset_in_json_form_leaves_no_table_behind(tmp_path):
+    """overwrite=True (or a re-index) in the JSON form removes the table that no index names
+    any more; the dataset reads as the new one."""
+    root = tmp_path / "d"
+    write_shards(_samples(), root, shard_samples=7, shard_table="table")
+    assert (root / TABLE_NAME).exists()
+    index = write_shards(_samples(10), root, shard_samples=5, shard_table="json", overwrite=True)
+    assert not (root / TABLE_NAME).exists()
+    assert load_index(str(root)) == index and len(Dataset(str(root))) == 10

@@ -428,6 +428,7 @@ def write_index(target: OutputDir, index: Index, shard_table: str = "auto",
         if form is None and shard_table == "table":
             raise ValueError("shard_table='table' needs every shard checksum of one algorithm")
     if form is None:
+        target.remove(TABLE_NAME)  # a table-form index this one replaces: nothing would name it
         target.write_bytes(INDEX_NAME, index.dumps().encode())
         return
     document, table = form
