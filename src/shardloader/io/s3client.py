@@ -188,17 +188,25 @@ class _DaemonThreads:
 
     def _run(self) -> None:
         while True:
-            with self._lock:
-                self._idle += 1
-            future, call = self._queue.get()
-            with self._lock:
-                self._idle -= 1
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                future.set_result(call())
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-                future.set_exception(e)
+            self._run_next()
+
+    def _run_next(self) -> None:
+        """Wait for the next call and run it. A method of its own so that nothing of a call
+        outlives it: were the future a local of `_run`'s loop, each idle thread would keep its
+        last future, and the future its result (a response body, up to a download chunk of
+        8 MiB) until the thread's next call: with up to `size` (64) threads per client, 176 MiB
+        of bodies stayed alive in the training process after a remote epoch of 20k images."""
+        with self._lock:
+            self._idle += 1
+        future, call = self._queue.get()
+        with self._lock:
+            self._idle -= 1
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(call())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            future.set_exception(e)
 
 
 # -- the client --------------------------------------------------------------------------------
