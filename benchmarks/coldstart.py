@@ -15,9 +15,12 @@ forked workers):
   then the internals this benchmark wraps (which `Dataset()`/`iter()` would import otherwise);
 * `Dataset()`: its total, and the index GET inside it;
 * `Loader()`;
+* the first batch's range sidecars fetched in the background from `Loader()` ("sidecars
+  ahead": when that round started, how long it took, when it was ready relative to priming);
 * `next(iter(loader))`, split into: the epoch's set-up before priming (capacity check), priming
-  (the range sidecars' round, then the rows' spans round: requests, bytes, and the concurrency
-  reached), worker start (the fork, `PoolKeeper.get`), a worker's own set-up until it starts
+  (the range sidecars: its own round, or its wait for the round started at `Loader()`; then
+  the rows' spans round: requests, bytes, and the concurrency reached; the sidecars' commits,
+  in whichever thread ran them), worker start (the fork, `PoolKeeper.get`), a worker's own set-up until it starts
   its first task, the task (reading rows, then decode + transform + collate, from the loader's
   `BatchTimings`), and the hand-off (worker done -> `next()` returns in the training process);
 * the training process's garbage collections (`gc.callbacks`), and the next 4 batches, to see
@@ -36,7 +39,12 @@ library as it is): `young-gc-at-pause-end` ends the loader's GC pause with a col
 young generations only (the full collection the pause deferred is then not run inside
 `next()`), `gc-during-prime` runs the deferred collection while the training thread waits for
 the priming thread, `freeze-before-start` calls `gc.freeze()` when the epoch starts (before
-priming and the fork).
+priming and the fork), `warm-up-inline` runs the producer's warm-up (cv2's import, the crop
+decoder's check) while the priming thread waits also without worker processes.
+
+`--user-seconds S` sleeps S seconds between `Loader()` and `iter()`, as a training script
+builds its model there: what the range sidecars fetched from `Loader()` on save then shows in
+"from iter() to batch".
 """
 
 from __future__ import annotations
@@ -105,6 +113,7 @@ def _instrument() -> None:
     _timed(ranged.RangeReads, "_fetch_spans", "spans", lambda a, k, out: {
         "shards": len(a[1]), "spans": sum(len(x) for x in out)})
     _timed(ranged.RangeReads, "_fetch_sidecars", "sidecar_gets")
+    _timed(ranged.RangeReads, "_states", "states")
     _timed(sidecars, "_commit", "sidecar_commit")
     _timed(ranged.RangeReads, "prime", "prime", lambda a, k, out: {"kept": out})
     _timed(ranged.RangeReads, "read", "range_read")
@@ -139,6 +148,20 @@ def _instrument() -> None:
             thread.join(30.0)
 
         prefetch_policy.EpochPrefetch.before_workers = before_workers
+        _timed(prefetch_policy.EpochPrefetch, "before_workers", "before_workers")
+    if os.environ.get(EXPERIMENT_ENV) == "warm-up-inline":  # A/B for a proposal
+        def warm_everywhere(self: Any, workers: Any) -> None:
+            # EpochPrefetch._prime_first_batch, with the producer's warm-up on this thread
+            # whatever the workers (without workers the first task imported cv2 itself)
+            if not (self.deferred and self.steps and workers.would_inherit()):
+                return
+            samples = self.plan.samples(self.epoch, self.steps[0])
+            thread = threading.Thread(target=self.dataset.prime, args=(samples,), daemon=True)
+            thread.start()
+            workers.producer.warm_up()
+            thread.join(30.0)
+
+        prefetch_policy.EpochPrefetch.before_workers = warm_everywhere
         _timed(prefetch_policy.EpochPrefetch, "before_workers", "before_workers")
     if os.environ.get(EXPERIMENT_ENV) == "young-gc-at-pause-end":  # A/B for a proposal
         import contextlib
@@ -212,6 +235,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                     shuffle=True, persistent_workers=spec["workers"] > 0,
                     transform=Compose([DecodeCropFlip(SIZE), ToTensor()]))
     t_loader = time.perf_counter()
+    time.sleep(spec.get("user_seconds", 0.0))  # a script builds its model here
+    t_iter = time.perf_counter()
     it = iter(loader)
     batch = next(it)
     t_batch = time.perf_counter()
@@ -224,7 +249,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     loader.close()
     ds.close()
     return {"t_start": t_start, "t_torch": t_torch, "t_ours": t_ours, "t_internals": t_internals,
-            "t_ds": t_ds, "t_loader": t_loader, "t_batch": t_batch, "t_fifth": t_fifth, "pid": os.getpid(),
+            "t_ds": t_ds, "t_loader": t_loader, "t_iter": t_iter, "t_batch": t_batch, "t_fifth": t_fifth, "pid": os.getpid(),
             "parent_range_requests": counters.get("range_requests", 0),
             "parent_range_bytes": counters.get("range_bytes", 0)}
 
@@ -292,24 +317,38 @@ def phases(c: dict[str, Any], evs: list[dict[str, Any]]) -> dict[str, Any]:
     out["  index GET"] = sum(g["t1"] - g["t0"] for g in index_gets)
     setup, before, pool_start = first("epoch_setup"), first("before_workers"), first("pool_start")
     prime = first("prime")
-    t_iter = c["t_loader"]
+    t_iter = c.get("t_iter", c["t_loader"])
     out["iter: set-up to priming"] = (before or setup or {"t0": t_iter})["t0"] - t_iter if setup else 0.0
+    warm = first("warm")
+    if warm is not None and (prime is None or warm["t0"] < prime["t0"]):  # from Loader()
+        own = [e for e in evs if e["what"] == "sidecars" and e["pid"] == parent
+               and e["t0"] >= warm["t0"] and e["t1"] <= warm["t1"]]
+        out["sidecars ahead: start rel. to Loader()"] = warm["t0"] - c["t_ds"]
+        out["sidecars ahead: round (fetch+decode)"] = sum(e["t1"] - e["t0"] for e in own)
+        if own and prime is not None:
+            out["sidecars ahead: ready rel. to prime"] = own[-1]["t1"] - prime["t0"]
     if prime is not None:
+        tables = [e for e in evs if e["what"] == "states" and e["pid"] == parent
+                  and e["t0"] >= prime["t0"] and e["t1"] <= prime["t1"]]
+        out["  prime: sidecar tables (round or wait)"] = tables[0]["t1"] - tables[0]["t0"] if tables else 0.0
         side = [e for e in evs if e["what"] == "sidecars" and e["pid"] == parent
                 and e["t0"] >= prime["t0"] and e["t1"] <= prime["t1"]]
         spans = [e for e in evs if e["what"] == "spans" and e["pid"] == parent
                  and e["t0"] >= prime["t0"] and e["t1"] <= prime["t1"]]
-        side_gets = [g for s in side for g in _within(gets, s)]
+        # the first batch's sidecars, whichever thread fetched them (prime, or the one from Loader())
+        side_gets = [g for g in gets if g["pid"] == parent and g["path"].endswith(".ranges")
+                     and g["t1"] <= prime["t1"]]
         span_gets = [g for s in spans for g in _within(gets, s)]
         out["  prime: sidecars round"] = sum(s["t1"] - s["t0"] for s in side)
-        sg = [e for e in evs if e["what"] == "sidecar_gets" and e["pid"] == parent
-              and e["t0"] >= prime["t0"] and e["t1"] <= prime["t1"]]
-        sc = [e for e in evs if e["what"] == "sidecar_commit" and e["pid"] == parent
-              and e["t0"] >= prime["t0"] and e["t1"] <= prime["t1"]]
+        # the first batch's sidecars: fetched by prime, or by the thread started at Loader()
+        sg = [e for e in evs if e["what"] == "sidecar_gets" and e["pid"] == parent and e["t1"] <= prime["t1"]][:1]
+        sc = [e for e in evs if e["what"] == "sidecar_commit" and e["pid"] == parent and e["t0"] < prime["t1"]]
         out["    sidecar GETs (wall)"] = sum(e["t1"] - e["t0"] for e in sg)
-        out["    sidecar commits (sum)"] = sum(e["t1"] - e["t0"] for e in sc)
+        out["    sidecar commits (sum, any thread)"] = sum(e["t1"] - e["t0"] for e in sc)
+        out["    sidecar commits inside the spans round"] = sum(
+            max(0.0, min(e["t1"], s["t1"]) - max(e["t0"], s["t0"])) for e in sc for s in spans)
         out["  prime: spans round"] = sum(s["t1"] - s["t0"] for s in spans)
-        out["  prime: other"] = (prime["t1"] - prime["t0"]) - out["  prime: sidecars round"] \
+        out["  prime: other"] = (prime["t1"] - prime["t0"]) - out["  prime: sidecar tables (round or wait)"] \
             - out["  prime: spans round"]
         out["#sidecar GETs"] = len(side_gets)
         out["#span GETs"] = len(span_gets)
@@ -366,6 +405,7 @@ def phases(c: dict[str, Any], evs: list[dict[str, Any]]) -> dict[str, Any]:
                                            and e["pid"] == parent and end <= e["t0"] < c["t_fifth"])
     out["from Dataset() to batch"] = end - c["t_internals"]
     out["from Loader() to batch"] = end - c["t_ds"]
+    out["from iter() to batch"] = end - t_iter
     out["from import to batch"] = end - c["t_start"]
     out["from import shardloader to batch"] = end - c["t_torch"]
     return out
@@ -416,9 +456,12 @@ def main() -> None:
                              "(~11.4 KiB, issue 24's ~11 KiB JPEGs)")
     parser.add_argument("--workers", default="0,2")
     parser.add_argument("--experiment", default="none",
-                        choices=["none", "gc-during-prime", "young-gc-at-pause-end", "freeze-before-start"],
+                        choices=["none", "gc-during-prime", "young-gc-at-pause-end", "freeze-before-start",
+                                 "warm-up-inline"],
                         help="diagnosis only: run the children with one proposed change patched in "
                              "(see _instrument); 'none' measures the library as it is")
+    parser.add_argument("--user-seconds", type=float, default=0.0,
+                        help="sleep this long between Loader() and iter() (a script's model set-up)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -433,14 +476,15 @@ def main() -> None:
     workers = [int(w) for w in args.workers.split(",")]
     runs: dict[int, list[dict[str, Any]]] = {w: [] for w in workers}
     print(f"# cold first batch from S3 (moto on loopback, empty cache, fresh process per try); "
-          f"experiment: {args.experiment}\n"
+          f"experiment: {args.experiment}; {args.user_seconds:g} s between Loader() and iter()\n"
           f"{describe(images)}; batch {BATCH}, shuffled, Compose([DecodeCropFlip({SIZE}), ToTensor()]); "
           f"{load_average()}", flush=True)
     with S3Process({"arrow": images.arrow_dir}) as server:
         print(server_costs(server.at, images), flush=True)
         for r in range(args.repeats):
             for w in workers:
-                got = run_try({"url": server.at.url("arrow"), "endpoint": server.at.endpoint, "workers": w},
+                got = run_try({"url": server.at.url("arrow"), "endpoint": server.at.endpoint, "workers": w,
+                               "user_seconds": args.user_seconds},
                               {**server.at.env(), EXPERIMENT_ENV: args.experiment})
                 runs[w].append(got)
                 print(f"  try {r + 1}, {w} workers: {got['from Dataset() to batch']:.3f} s from Dataset(), "

@@ -20,8 +20,16 @@ thread) finds what one of them fetched, and the server is asked for each sidecar
   keeps the decoded table in memory); after that it is evictable whatever its shard is doing:
   the next reader that needs it fetches it again, once per node again.
 * **Never in the way.** A fill does not wait for room: when none can be made at once (every
-  byte pinned by readers, or the filesystem full), the sidecar is not fetched at all and the
-  reader reads that shard whole, which the capacity check (`capacity.py`) makes room for.
+  byte pinned by readers, or the filesystem full), the sidecar fetched is used by the process
+  that fetched it (in memory) and not kept on the node; the other processes fetch it themselves.
+* **Off a first batch's path.** The ledger is needed only to reserve room and commit, and a
+  cold first batch needs neither: the sidecars `prime` fetches for it (and those fetched for it
+  in the background from `Loader()`) are committed once it is out (`load_sidecars(hold=...)`),
+  their download locks held until then. Its sidecar round was ~50 ms without workers and ~90
+  with two, of which the requests took 20-30: the ledger's first opening (diskcache's import,
+  sqlite, reconciling) and 8 commits, on a client whose CPU the round shares with the workers'
+  warm-up imports. Opening the ledger in a thread while the requests were in flight, or
+  committing while the spans were fetched, saved nothing (the client's CPU is what they share).
 """
 
 from __future__ import annotations
@@ -29,12 +37,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shardloader.cache.download import temp_files
-from shardloader.cache.ledger import LedgerEntry, Reservation
+from shardloader.cache.ledger import Ledger, LedgerEntry, Reservation
 from shardloader.cache.locks import FILE_MODE, close_fd, exclusive, pin_file
 from shardloader.cache.room import make_room
 from shardloader.cache.shard_files import remove_temps
@@ -68,34 +77,65 @@ def matches(data: bytes, want: SidecarWant) -> bool:
     return len(data) == want.bytes and checksum_bytes(data, parse_checksum(want.checksum)[0]) == want.checksum
 
 
+#: One first opening of a cache's ledger at a time among the sidecar fillers of this process
+#: (two committing threads would each open and reconcile one; `ShardCache.ledger` is unlocked).
+_OPENING = threading.Lock()
+
+
+def _ledger(cache: ShardCache) -> Ledger:
+    """`cache.ledger`, opened (and the cache reconciled) once per process."""
+    with _OPENING:
+        return cache.ledger
+
+
 def cached_sidecar(cache: ShardCache, want: SidecarWant) -> bytes | None:
-    """The bytes of `want` when the node cache holds it and they verify; None otherwise (a file
-    that does not verify is discarded, to be fetched again)."""
-    cache.ledger  # noqa: B018 - open (and reconcile) before any lock is taken
-    return _read(cache, want, locked=False)
+    """The bytes of `want` when the node cache holds it and they verify, after waiting for a
+    fill of it in flight (its download lock: a commit held for a first batch, see
+    `load_sidecars`); None otherwise (a file that does not verify is discarded, to be fetched
+    again). Lock order: a caller may hold a shard's download lock, never a sidecar's."""
+    _ledger(cache)  # open (and reconcile) before any lock is taken
+    data = _read(cache, want, locked=False)
+    if data is not None:
+        return data
+    with disk_errors(cache.root, "taking the download lock of a range sidecar", path=cache.layout.lock_dir), \
+            exclusive(cache.layout.lock_of(want.name)):
+        return _read(cache, want, locked=True)
 
 
-def load_sidecars(cache: ShardCache, wants: Sequence[SidecarWant], fetch: FetchRound) -> list[bytes | None]:
+#: A commit held for a first batch (`load_sidecars(hold=...)`) waits at most this long for its
+#: batch: the sidecars' download locks are held meanwhile (other processes wait for the files).
+HOLD_SECONDS = 5.0
+
+
+def load_sidecars(cache: ShardCache, wants: Sequence[SidecarWant], fetch: FetchRound, *,
+                  hold: threading.Event | None = None) -> list[bytes | None]:
     """The verified bytes of each of `wants`, from the node cache, else fetched by `fetch` (one
     round for all this process must fetch) under their download locks and committed to the
-    cache; None for those that could not be had (no room now, not fetched, not matching).
+    cache; None for those that could not be had (not fetched, not matching).
+
+    `hold`: what is fetched is returned at once and committed by a daemon thread once `hold` is
+    set (a Loader's first batch is out), or after `HOLD_SECONDS`; the download locks stay held
+    until then, so other processes wait for the files rather than fetch them. A cold first batch
+    then does not wait for the ledger's first opening and 8 commits (20-40 ms of its sidecar
+    round, `benchmarks/coldstart.py`): its workers inherit the bytes, and what needs the files
+    on the node comes later. A commit that fails there is logged (a warning); without `hold`
+    it raises here.
 
     Raises CacheDiskError when the cache's filesystem refuses a write (naming the cache, the
     sidecar and the free space); `fetch`'s own errors pass through."""
-    cache.ledger  # noqa: B018 - open (and reconcile) before any lock is taken
     out = [_read(cache, want, locked=False) for want in wants]
     missing = {want.name: want for want, data in zip(wants, out) if data is None}
     if not missing:
         return out
-    filled = _fill(cache, [missing[name] for name in sorted(missing)], fetch)
+    filled = _fill(cache, [missing[name] for name in sorted(missing)], fetch, hold)
     return [filled.get(want.name) if data is None else data for want, data in zip(wants, out)]
 
 
-def _fill(cache: ShardCache, wants: list[SidecarWant], fetch: FetchRound) -> dict[str, bytes]:
-    """Fetch and commit `wants` (sorted by name) under their download locks; what was had."""
+def _fill(cache: ShardCache, wants: list[SidecarWant], fetch: FetchRound,
+          hold: threading.Event | None) -> dict[str, bytes]:
+    """Fetch `wants` (sorted by name) under their download locks and commit them (later, with
+    `hold`, by a thread that then releases the locks); what was had."""
     found: dict[str, bytes] = {}
-    reserved: list[SidecarWant] = []
-    committed: set[str] = set()
     with contextlib.ExitStack() as locks:
         with disk_errors(cache.root, "taking the download locks of range sidecars", path=cache.layout.lock_dir):
             for want in wants:  # in name order: no two fillers wait on each other in a circle
@@ -108,32 +148,63 @@ def _fill(cache: ShardCache, wants: list[SidecarWant], fetch: FetchRound) -> dic
                 continue
             remove_temps(cache.layout, want.name)  # a dead filler's leftovers
             todo.append(want)
-        try:
-            reserved = [want for want in todo if _reserve_now(cache, want)]
-            if not reserved:
-                return found
-            for want, data in zip(reserved, fetch(reserved)):
-                if data is None or not matches(data, want):
-                    continue
-                _commit(cache, want, data)
-                committed.add(want.name)
-                found[want.name] = data
-        finally:
-            left = [want.name for want in reserved if want.name not in committed]
-            if left:
-                try:
-                    with cache.bookkeeping():
-                        for name in left:
-                            cache.ledger.release_reservation(name)
-                except CacheDiskError:  # the next room-making pass drops them (their locks free)
-                    log.debug("cache %s: reservations of sidecars left", cache.root, exc_info=True)
+        if not todo:
+            return found
+        fetched = [(want, data) for want, data in zip(todo, fetch(todo)) if data is not None and matches(data, want)]
+        found.update((want.name, data) for want, data in fetched)
+        if hold is None or not fetched:
+            _commit_all(cache, fetched)
+        else:
+            threading.Thread(target=_commit_held, args=(cache, fetched, locks.pop_all(), hold),
+                             name="shardloader-sidecar-commit", daemon=True).start()
     return found
+
+
+def _commit_held(cache: ShardCache, fetched: list[tuple[SidecarWant, bytes]], locks: contextlib.ExitStack,
+                 hold: threading.Event) -> None:
+    """`_commit_all` once `hold` is set (at most `HOLD_SECONDS` from now), then release `locks`."""
+    with locks:
+        hold.wait(HOLD_SECONDS)
+        try:
+            _commit_all(cache, fetched)
+        except Exception as e:  # noqa: BLE001 - a background thread: said, not raised
+            log.warning("cache %s: could not keep range sidecars on the node (the processes that need "
+                        "them fetch them again): %s", cache.root, e)
+
+
+def _commit_all(cache: ShardCache, fetched: list[tuple[SidecarWant, bytes]]) -> None:
+    """Reserve room for and commit each verified sidecar of `fetched` (caller holds their
+    download locks); one without room now is left out (its bytes serve the caller only)."""
+    if not fetched:
+        return
+    _ledger(cache)  # open (and reconcile) first: reserving takes the bookkeeping lock
+    reserved: list[str] = []
+    committed: set[str] = set()
+    try:
+        for want, data in fetched:
+            if not _reserve_now(cache, want):
+                continue
+            reserved.append(want.name)
+            _commit(cache, want, data)
+            committed.add(want.name)
+    finally:
+        left = [name for name in reserved if name not in committed]
+        if left:
+            try:
+                with cache.bookkeeping():
+                    for name in left:
+                        cache.ledger.release_reservation(name)
+            except CacheDiskError:  # the next room-making pass drops them (their locks free)
+                log.debug("cache %s: reservations of sidecars left", cache.root, exc_info=True)
 
 
 def _read(cache: ShardCache, want: SidecarWant, *, locked: bool) -> bytes | None:
     """`want`'s bytes from the cache if they verify, its access recorded; a file that does not
     verify is removed (`locked`: the caller holds its download lock)."""
     path = cache.path_of(want.name)
+    if not os.path.exists(path):
+        return None  # not on the node: no ledger needed (a cold start's path)
+    ledger = _ledger(cache)  # before any lock (the pin; `discard` takes the bookkeeping lock)
     fd = pin_file(path)
     if fd is None:
         return None
@@ -144,7 +215,7 @@ def _read(cache: ShardCache, want: SidecarWant, *, locked: bool) -> bytes | None
         close_fd(fd)
     if matches(data, want):
         try:
-            cache.ledger.touch(want.name, time.time(), opened=True)
+            ledger.touch(want.name, time.time(), opened=True)
         except Exception:  # noqa: BLE001 - advisory (LRU order), never fails a read
             log.debug("cache %s: could not record an access to %s", cache.root, want.name, exc_info=True)
         return data
@@ -183,7 +254,7 @@ def _remove(cache: ShardCache, name: str, identity: tuple[int, int]) -> None:
 def _reserve_now(cache: ShardCache, want: SidecarWant) -> bool:
     """Reserve room for `want` within the limit (and the filesystem's free space), evicting
     least recently used unpinned entries and this process's idle readers' pins; False, without
-    waiting, when that makes no room (its shard is then read whole)."""
+    waiting, when that makes no room (the sidecar is then not kept on the node)."""
     if want.bytes > cache.limit:
         return False
     for _ in range(2):

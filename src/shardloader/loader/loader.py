@@ -41,7 +41,7 @@ from shardloader.loader.compat import (
     warn_worker_count,
 )
 from shardloader.loader.cursor import Cursor
-from shardloader.loader.epoch import EpochIterator
+from shardloader.loader.epoch import EpochIterator, warm_first_batch
 from shardloader.loader.mapstyle import (
     MAP_STYLE_PARTITIONS,
     MAP_STYLE_WINDOW,
@@ -235,8 +235,8 @@ class Loader(Generic[T_co]):
         self.transform_version = (transform_version if transform_version is not None
                                   else None if transform is None else describe_transform(transform))
         self.telemetry = telemetry
-        self._plan = StepPlan(np.diff(self._data.index.sample_offsets), self.seed, self.settings, self.rank,
-                              self.world_size, self.global_batch_size, self.tail)
+        self._plan = StepPlan(np.diff(offsets := self._data.index.sample_offsets), self.seed, self.settings,
+                              self.rank, self.world_size, self.global_batch_size, self.tail, offsets)
         producer = BatchProducer(self._data, seed=self.seed, transform=transform, collate_fn=collate_fn,
                                  worker_init_fn=worker_init_fn)
         producer.plan = self._plan
@@ -252,6 +252,7 @@ class Loader(Generic[T_co]):
         self.batch_sampler = LoaderBatchSampler(self, self.sampler)
         self._initialized = True  # from here on, READ_ONLY_ATTRIBUTES are
         _LIVE_LOADERS.add(self)
+        warm_first_batch(self._data, self._plan, self._cursor, self._global_steps)  # cold start
 
     def __setattr__(self, name: str, value: Any) -> None:
         initialized = self.__dict__.get("_initialized", False)
@@ -390,6 +391,7 @@ class Loader(Generic[T_co]):
                 f"{length} positions with global batch size {self.global_batch_size}"
             )
         self._cursor.restore(state["epoch"], position)
+        warm_first_batch(self._data, self._plan, self._cursor, self._global_steps)  # its first batch's
         attempt = current_attempt()
         if attempt is not None:  # where this attempt's training resumes, for the job's account
             attempt.note_cursor(self, state["epoch"] * length + position)

@@ -114,9 +114,11 @@ class ShardSource(Protocol):
         """Whether the Loader should start prefetch only once the first batch is out."""
         return False
 
-    def warm_ranges(self, shard_infos: Iterable[ShardInfo]) -> Any:
+    def warm_ranges(self, shard_infos: Iterable[ShardInfo], *, first_batch: bool = False) -> Any:
         """Fetch in the background what reading `shard_infos` by range needs (their range
-        sidecars), for the workers; returns at once."""
+        sidecars), for this process and the workers; returns at once. `first_batch`: they are
+        the next first batch's (a Loader asks when it is made or restored), so they may reach
+        the node only once that batch is out."""
         return None
 
     def start_prefetch(self, shard_infos: Iterable[ShardInfo]) -> Any:

@@ -30,10 +30,17 @@ inherit it with the fork (`after_fork`), so the first batch's worker reads its r
 request and the next batches' requests do not compete with the first's. Measured with 2 workers
 on loopback moto (which serves one request at a time), speed.py's cold first batch: the priming
 and the lighter S3 client of `shardloader.io.s3client` together took it from 1.34 s to 0.38 s
-(medians of 7 fresh processes, alternated). After the fork a background thread of the training
-process fetches the sidecars of the next batches' shards (`warm`) for the workers to find on the
-node; a worker that needs a sidecar the thread is fetching waits for that fetch (the sidecar's
-download lock) instead of fetching it again, and fetches what is not on the node itself.
+(medians of 7 fresh processes, alternated). The first batch's sidecars are fetched earlier
+still, in a background thread started when the Loader is made (`warm(first_batch=True)`), so
+that their round overlaps what the script does before it iterates, and `prime` waits for them
+instead of fetching them again; what is fetched for the first batch reaches the node cache only
+once the batch is out (`release_held`), so that it waits for no commit. After the fork a
+background thread of the training process fetches the sidecars of the next batches' shards
+(`warm`) for the workers to find on the node; a worker that needs a sidecar the thread is
+fetching waits for that fetch (the sidecar's download lock) instead of fetching it again, and
+fetches what is not on the node itself. A background fetch that fails is never taken for "read
+that shard whole": the read that needs the sidecar fetches it again, and raises what is not
+transient (see `_states`).
 
 Bounds. Per process and shard, reads by range fetch at most `budget` (a fraction of the shard's
 size); a read that would pass it waits for the whole shard instead, so range reads cost at most
@@ -64,18 +71,10 @@ from shardloader.format.registry import rows_from_spans, shard_format
 from shardloader.io.paths import join_url, safe_relative_path
 from shardloader.io.retry import RetryPolicy
 from shardloader.io.transfer import FetchStats, RangeRequest, read_ranges
+from shardloader.source.span_requests import DEFAULT_GAP, coalesce
 
 log = logging.getLogger(__name__)
 
-#: Spans of one shard at most this far apart are fetched in one request: 1 MiB, the distance
-#: below which the Rust `object_store` crate (behind obstore, litdata's reader) joins ranges
-#: too. On loopback moto a cold first batch of 64 rows from 8 shards took 60 requests with
-#: 64 KiB and 35 with 1 MiB (10 MB instead of 1 MB): 0.45 -> 0.38 s to the first batch, A/B.
-#: Behind a proxy adding 30 ms per request: 0.47 -> 0.34 s at 200 MB/s, but 0.49 -> 0.68 s at
-#: 25 MB/s, where the gaps' bytes cost more than the requests they save (see docs/cache.md).
-DEFAULT_GAP = 1 << 20
-#: One request covers at most this many bytes (spans are never split).
-_MAX_REQUEST = 8 << 20
 #: Shared and group spans (Arrow batch metadata) up to this size are kept for the next reads of
 #: their shard; larger ones (Parquet row groups) are not, to bound memory per process.
 _MAX_KEPT = 1 << 20
@@ -95,22 +94,6 @@ class RangeCounters:
     bytes: int = 0  # bytes received by range (sidecars included)
     requests: int = 0
     seconds: float = 0.0
-
-
-def coalesce(spans: np.ndarray, gap: int) -> list[tuple[int, int, list[int]]]:
-    """Requests (lo, hi, span positions) covering `spans` (int64 [n, 2] offset, length), each
-    joining spans at most `gap` bytes apart, up to `_MAX_REQUEST` bytes."""
-    order = np.argsort(spans[:, 0], kind="stable")
-    out: list[tuple[int, int, list[int]]] = []
-    for i in order.tolist():
-        lo, n = spans[i].tolist()
-        hi = lo + n
-        if out and lo - out[-1][1] <= gap and max(hi, out[-1][1]) - out[-1][0] <= _MAX_REQUEST:
-            prev = out[-1]
-            out[-1] = (prev[0], max(prev[1], hi), prev[2] + [i])
-        else:
-            out.append((lo, hi, [i]))
-    return out
 
 
 class RangeReads:
@@ -139,6 +122,8 @@ class RangeReads:
         self._lock = threading.Lock()
         self._shards: OrderedDict[str, _ShardState | None] = OrderedDict()  # None: read whole
         self._loading: dict[str, threading.Event] = {}  # sidecars being fetched by a thread
+        self._failed: dict[str, BaseException] = {}  # why a background fetch of a sidecar failed
+        self._first_out = threading.Event()  # a Loader's first batch is out: see `release_held`
 
     # -- public --------------------------------------------------------------------------------
     def read(self, wanted: Sequence[tuple[ShardInfo, np.ndarray]]) -> dict[int, list[dict[str, Any]]]:
@@ -179,15 +164,18 @@ class RangeReads:
                                        tar_offsets=state.tar)
         return out
 
-    def prime(self, wanted: Sequence[tuple[ShardInfo, np.ndarray]]) -> int:
+    def prime(self, wanted: Sequence[tuple[ShardInfo, np.ndarray]], *, hold: bool = False) -> int:
         """Fetch, verify and keep the spans that reading the rows of `wanted` needs (and the
         sidecars of their shards), so that those reads need no request: in this process, and in
         worker processes forked after this returns, which inherit what it kept. A Loader calls
         it for its first batch before it forks its workers (see `RemoteSource.prime_ranges`).
         Spans over `_MAX_KEPT` (Parquet row groups) are left to the reads. Returns the number
-        of spans kept. Never raises: the read that needs the rows fetches (and reports) itself."""
+        of spans kept. Never raises: the read that needs the rows fetches (and reports) itself.
+        `hold`: the sidecars fetched are committed to the node cache only once the first batch
+        is out (`release_held`): the workers inherit them, and the batch does not wait for the
+        commits."""
         try:
-            states = self._states([info for info, _ in wanted])
+            states = self._states([info for info, _ in wanted], hold=hold)
             work: list[tuple[ShardInfo, _ShardState, np.ndarray]] = []
             with self._lock:
                 for info, rows in wanted:
@@ -227,12 +215,19 @@ class RangeReads:
             return 0
         return sum(hi - lo for lo, hi, _ in coalesce(table.spans[ids], self._gap(table)))
 
+    def release_held(self) -> None:
+        """The first batch is out: commit the sidecars fetched for it (see `prime`, `warm`)."""
+        self._first_out.set()
+
     def after_fork(self) -> RangeReads:
         """This object, made safe to use in a forked child: the tables and spans it holds are
         kept (that is what the child inherits them for); locks, loads in flight (threads do
         not cross a fork), counters and the jitter source start anew."""
         self._lock = threading.Lock()
         self._loading = {}
+        self._failed = {}
+        self._first_out = threading.Event()
+        self._first_out.set()  # a child holds nothing: its parent's first batch is its concern
         self.counters = RangeCounters()
         self._rng = random.Random()
         return self
@@ -241,10 +236,16 @@ class RangeReads:
     def _url(self, relative: str) -> str:
         return join_url(self.root, relative)
 
-    def _states(self, infos: Sequence[ShardInfo]) -> dict[str, _ShardState | None]:
+    def _states(self, infos: Sequence[ShardInfo], *, background: bool = False,
+                hold: bool = False) -> dict[str, _ShardState | None]:
         """Each shard's range table: loaded already, being loaded by another thread of this
-        process (waited for: the training process's warm-up thread and its reader must not
-        fetch the same sidecars twice), or fetched now, all in one round."""
+        process (waited for: a background fetch and a reader must not fetch the same sidecars
+        twice), or fetched now, all in one round.
+
+        A `background` fetch that fails leaves its shards unknown, not "read whole": the thread
+        that needs one of them next fetches it again itself (logging why the first fetch
+        failed), so a failure there is retried where the sidecar is needed, and raised there if
+        it is not transient, never lost. So is a wait that outlasts the retry deadline."""
         with self._lock:
             known = {info.path: self._shards[info.path] for info in infos if info.path in self._shards}
             for path in known:
@@ -256,21 +257,47 @@ class RangeReads:
             done = threading.Event()
             for info in todo:
                 self._loading[info.path] = done
+            failed = {info.path: self._failed.pop(info.path) for info in todo if info.path in self._failed}
+        self._say_retrying(failed)
         try:
-            known.update(self._load(todo))
+            known.update(self._load(todo, strict=background, hold=hold))
+        except Exception as e:
+            if not background:
+                raise
+            with self._lock:
+                self._failed.update(dict.fromkeys((info.path for info in todo), e))
         finally:
             with self._lock:
                 for info in todo:
                     self._loading.pop(info.path, None)
             done.set()
+        again: list[ShardInfo] = []  # the thread waited for failed: fetched here (it says why)
+        late: list[ShardInfo] = []  # still not done after the deadline: fetched here regardless
+        by_path = {info.path: info for info in infos}
         for path, event in others.items():
-            event.wait(self.policy.deadline)
+            finished = event.wait(self.policy.deadline)
             with self._lock:
-                known[path] = self._shards.get(path)
+                if path in self._shards:
+                    known[path] = self._shards[path]
+                elif not background:
+                    (again if finished else late).append(by_path[path])
+        if again:
+            known.update(self._states(again, hold=hold))
+        if late:
+            known.update(self._load(late, hold=hold))
         return known
 
-    def _load(self, todo: list[ShardInfo]) -> dict[str, _ShardState | None]:
-        """Find on the node (or fetch once for the node) and decode the sidecars of `todo`."""
+    def _say_retrying(self, failed: dict[str, BaseException]) -> None:
+        for path, error in failed.items():
+            log.warning("%s: the background fetch of its range sidecar failed (%s); fetching it again",
+                        self._url(path), error)
+
+    def _load(self, todo: list[ShardInfo], *, strict: bool = False,
+              hold: bool = False) -> dict[str, _ShardState | None]:
+        """Find on the node (or fetch once for the node) and decode the sidecars of `todo`.
+        `strict`: a failed round of requests raises (FetchError) instead of meaning "read
+        those shards whole". `hold`: for the first batch, committed to the node once it is out
+        (`release_held`; see `load_sidecars`)."""
         known: dict[str, _ShardState | None] = {}
         if not todo:
             return known
@@ -287,7 +314,8 @@ class RangeReads:
             return known
         paths = {want.name: rel for _, _, want, rel in wanted}
         blobs = load_sidecars(self._cache(), [want for _, _, want, _ in wanted],
-                              lambda wants: self._fetch_sidecars(wants, paths))
+                              lambda wants: self._fetch_sidecars(wants, paths, strict=strict),
+                              hold=self._first_out if hold else None)
         loaded: dict[str, dict[str, bytes]] = {}
         for (info, kind, _, _), blob in zip(wanted, blobs):
             if blob is not None:
@@ -298,10 +326,12 @@ class RangeReads:
             known[info.path] = state
         return known
 
-    def _fetch_sidecars(self, wants: list[SidecarWant], paths: dict[str, str]) -> list[bytes | None]:
+    def _fetch_sidecars(self, wants: list[SidecarWant], paths: dict[str, str], *,
+                        strict: bool = False) -> list[bytes | None]:
         """The sidecars `wants` (relative paths in `paths`) fetched in one round of requests;
-        None (with a warning: that shard is read whole) for those that fail or do not match
-        their index entry. Called by the node cache with their download locks held."""
+        None (with a warning: that shard is read whole) for those that do not match their index
+        entry, and for all when the round fails (unless `strict`: then it raises). Called by the
+        node cache with their download locks held."""
         fs, base = self._filesystem()
         requests = []
         for want in wants:
@@ -310,6 +340,8 @@ class RangeReads:
         try:
             data, stats = read_ranges(fs, requests, policy=self.policy, rng=self._rng)
         except ShardloaderError as e:
+            if strict:
+                raise
             warnings.warn(f"range sidecars not readable ({e}); reading those shards whole", stacklevel=2)
             return [None] * len(wants)
         self._count(stats, len(requests))
@@ -324,14 +356,17 @@ class RangeReads:
             out.append(None)
         return out
 
-    def warm(self, infos: Sequence[ShardInfo]) -> None:
-        """Load the sidecars of `infos` (from the node, else remotely once for the node) into the
-        node cache for other processes: a Loader calls this in a background thread of the
-        training process while its workers start, so that their first reads need no sidecar
-        round."""
+    def warm(self, infos: Sequence[ShardInfo], *, first_batch: bool = False) -> None:
+        """Load the sidecars of `infos` (from the node, else remotely once for the node) into
+        this process and the node cache: a Loader calls this in a background thread of the
+        training process, when it is made (for its first batch) and while its workers start
+        (for the next ones), so that those reads need no sidecar round of their own. A reader
+        that needs one of them waits for it; if its fetch failed, it fetches it again itself
+        (see `_states`): a failure here is never taken for "read that shard whole".
+        `first_batch`: committed to the node once it is out, as `prime(hold=True)`."""
         try:
-            self._states(infos)
-        except Exception:  # noqa: BLE001 - an optimisation: readers fetch what they need
+            self._states(infos, background=True, hold=first_batch)
+        except Exception:  # noqa: BLE001 - `_states` keeps what failed for the reads to retry
             log.debug("warming range sidecars failed", exc_info=True)
 
     def _decode(self, info: ShardInfo, blobs: dict[str, bytes]) -> _ShardState | None:

@@ -50,6 +50,21 @@ from shardloader.units import parse_size
 
 log = logging.getLogger(__name__)
 
+#: Held while a `warm_ranges` thread consumes its (lazy) iterable of shards: a Loader's works
+#: them out from its order under its plan's lock, which a child forked meanwhile would inherit
+#: taken, and deadlock on (seen: a worker of a restored Loader never produced a batch). A fork
+#: waits for it, as it does for the ledger's sqlite calls (`shardloader.cache.ledger`).
+_PLANNING = threading.Lock()
+
+
+def _planning_in_child() -> None:
+    global _PLANNING
+    _PLANNING = threading.Lock()
+
+
+os.register_at_fork(before=lambda: _PLANNING.acquire(), after_in_parent=lambda: _PLANNING.release(),
+                    after_in_child=_planning_in_child)
+
 CACHE_DIR_ENV = "SHARDLOADER_CACHE_DIR"
 CACHE_LIMIT_ENV = "SHARDLOADER_CACHE_LIMIT"
 
@@ -170,6 +185,7 @@ class RemoteSource(ShardSource):
         self._releasers: list[Releaser] = []
         self._largest: tuple[Any, int] | None = None  # (index fingerprint, largest footprint)
         self._ranged: RangeReads | None = inherited.after_fork() if inherited is not None else None
+        self._warming: list[threading.Thread] = []  # this process's warm_ranges threads
 
     def __getstate__(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in self._CONFIG}
@@ -298,7 +314,8 @@ class RemoteSource(ShardSource):
         ((shard, rows): a Loader's first batch) by range needs, for shards the node cache does
         not hold whole; worker processes forked afterwards inherit them and read those rows
         without a request. Only where `read_by_range` would read by range. Returns the spans
-        kept; never raises (see `RangeReads.prime`)."""
+        kept; never raises (see `RangeReads.prime`). The sidecars it fetches go onto the node
+        once the first batch is out (`start_prefetch`), not on that batch's path."""
         if not (self.range_reads and self.prefetch and self.prefetch_expected) or not wanted:
             return 0
         store = self.store
@@ -310,7 +327,7 @@ class RemoteSource(ShardSource):
             except ShardloaderError:
                 continue
             todo.append((info, rows))
-        return self._range_reads().prime(todo) if todo else 0
+        return self._range_reads().prime(todo, hold=True) if todo else 0
 
     def expect_prefetch(self) -> None:
         """Called by a Loader before it starts its workers: its prefetcher will download whole
@@ -318,23 +335,49 @@ class RemoteSource(ShardSource):
         meanwhile (the setting travels to worker processes with the dataset)."""
         self.prefetch_expected = True
 
-    def warm_ranges(self, shard_infos: Iterable[ShardInfo]) -> threading.Thread | None:
-        """Fetch the range sidecars of `shard_infos` (the first shards a Loader needs) in a
-        background thread and keep them on the node for its workers; returns at once. Shards
-        whole on the node when the thread runs are left out: their readers read them there."""
+    def warm_ranges(self, shard_infos: Iterable[ShardInfo], *,
+                    first_batch: bool = False) -> threading.Thread | None:
+        """Fetch the range sidecars of `shard_infos` in a background thread, into this process
+        (its reads by range, and workers forked later, then need no sidecar round) and onto the
+        node (for workers already running); returns at once. A Loader calls it when it is made
+        and when a state is loaded, for the next first batch's shards (`first_batch`: the cold
+        start's first round of requests then overlaps whatever the script does before it
+        iterates; they go onto the node once that batch is out, as `prime_ranges`'s), and while
+        its workers start, for the next batches'. Only the sidecars: the spans are
+        `prime_ranges`'s, which waits for these instead of fetching them again. Shards whole on
+        the node when the thread runs are left out; `shard_infos` is consumed in the thread. A
+        fetch that fails here is fetched again by the read that needs it, which raises what is
+        not transient (see `RangeReads.warm`)."""
         if not (self.range_reads and self.prefetch):
-            return None
-        infos = [info for info in shard_infos if RANGES_KEY in info.extra]
-        if not infos:
             return None
         reads = self._range_reads()
 
         def warm() -> None:
-            reads.warm([info for info in infos if not self._whole_on_node(info)])
+            try:  # `shard_infos` is consumed here, in the thread (it may be worked out lazily)
+                with _PLANNING:
+                    wanted = [info for info in shard_infos if RANGES_KEY in info.extra]
+            except Exception:  # noqa: BLE001 - an optimisation: the first batch's priming asks again
+                log.warning("working out which range sidecars to fetch ahead failed", exc_info=True)
+                return
+            infos = [info for info in wanted if not self._whole_on_node(info)]
+            if infos:
+                reads.warm(infos, first_batch=first_batch)
 
         thread = threading.Thread(target=warm, name="shardloader-ranges", daemon=True)
         thread.start()
+        with self._lock:
+            self._warming = [t for t in self._warming if t.is_alive()] + [thread]
         return thread
+
+    def wait_warm(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds in all for this process's `warm_ranges` threads (their
+        sidecars fetched, decoded and committed to the node cache); whether they all ended."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = list(self._warming) if self._pid == os.getpid() else []
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in threads)
 
     def _whole_on_node(self, info: ShardInfo) -> bool:
         try:
@@ -399,12 +442,16 @@ class RemoteSource(ShardSource):
         return needs
 
     def start_prefetch(self, shard_infos: Iterable[ShardInfo]) -> Prefetcher | NoPrefetch:
-        """Start downloading `shard_infos` (order of first need) in background threads.
+        """Start downloading `shard_infos` (order of first need) in background threads, and
+        commit the range sidecars fetched for the first batch (a Loader calls this once it is
+        out, or right after its workers start when it does not defer prefetch).
 
         Returns at once; call `.stop()` on the handle to end it.
         """
         if not self.prefetch:
             return NoPrefetch()
+        if self._ranged is not None and self._pid == os.getpid():
+            self._ranged.release_held()  # before the prefetcher: a tar's companion is one of them
         window = self.prefetch_bytes
         if self.needs is not None:  # this rank's share of what readers leave free
             ranks = max(1, self.needs.downloads)
