@@ -249,26 +249,3 @@ class Prefetcher:
             self._wake.set()
             with self._changed:
                 self._changed.notify_all()
-
-
-class NoPrefetch:
-    """The handle of a source that has nothing to prefetch (local data)."""
-
-    scheduled: tuple[str, ...] = ()
-    errors: tuple[str, ...] = ()
-
-    def stop(self, timeout: float = 0.0) -> None:
-        return None
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return True
-
-    @property
-    def running(self) -> bool:
-        return False
-
-    def __enter__(self) -> NoPrefetch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None

@@ -31,7 +31,7 @@ from shardloader.cache.capacity import (
 )
 from shardloader.cache.download import Companion, Fetch
 from shardloader.cache.layout import sidecar_name
-from shardloader.cache.prefetch import NoPrefetch, Prefetcher
+from shardloader.cache.prefetch import Prefetcher
 from shardloader.cache.sidecars import SidecarWant, cached_sidecar
 from shardloader.cache.space import check_writable, make_cache_root
 from shardloader.cache.store import COUNTER_NAMES, Releaser, ShardCache
@@ -44,7 +44,7 @@ from shardloader.io.clients import filesystem
 from shardloader.io.paths import join_url, safe_relative_path
 from shardloader.io.retry import RetryPolicy
 from shardloader.io.transfer import FetchStats, download
-from shardloader.source.protocol import ShardSource
+from shardloader.source.protocol import NoPrefetch, ShardSource
 from shardloader.source.ranged import RangeReads
 from shardloader.units import parse_size
 
