@@ -12,7 +12,8 @@ request, the same as obstore (Rust, what litdata uses) measured on the same loop
 being a new binary dependency, its client used in a child forked after the parent used it
 hangs (obstore 0.12.1, measured), and our workers are forked.
 
-Scope. Only reads (`cat_file`, `cat_ranges`: the calls `shardloader.io.transfer` makes), and
+Scope. Only reads (`cat_file`, `cat_ranges`, and `read_ranges_into`, which streams ranges
+straight into a file: the calls `shardloader.io.transfer` makes), and
 only when everything that decides how to reach the bucket is explicit and simple:
 `s3_reader` returns None (the caller then uses s3fs, exactly as before) unless the storage
 options use nothing but ``key``/``secret``/``token``/``anon``/``endpoint_url``,
@@ -46,6 +47,9 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from shardloader.io.retry import ShortRead
+from shardloader.io.s3_body import BodyReader, LocalWriteError, RangeCopy, read_whole
 
 DISABLE_ENV = "SHARDLOADER_S3_CLIENT"
 _OPTION_KEYS = frozenset({"key", "secret", "token", "anon", "endpoint_url", "client_kwargs",
@@ -261,6 +265,46 @@ class S3Reader:
         except Exception as e:  # noqa: BLE001 - returned, as cat_ranges does
             return e
 
+    def read_ranges_into(self, path: str, ranges: Sequence[tuple[int, int]], fd: int,
+                         buffer_size: int = 1 << 20) -> list[int | BaseException]:
+        """Bytes [start, end) of object `path` for each range, written at offset `start` of
+        file `fd`, the ranges requested concurrently on this client's threads; in place of
+        each range, the bytes written (always end - start) or the exception it failed with
+        (as `cat_ranges(on_error="return")`). See `read_range_into`."""
+        calls = [lambda lo=lo, hi=hi: self.read_range_into(path, lo, hi, fd, lo, buffer_size)
+                 for lo, hi in ranges]
+        if len(calls) == 1:
+            return [_called(calls[0])]
+        return [_outcome(f) for f in [self._threads.submit(call) for call in calls]]
+
+    def read_range_into(self, path: str, start: int, end: int, fd: int, file_offset: int,
+                        buffer_size: int = 1 << 20) -> int:
+        """Copy bytes [start, end) of object `path` into file `fd` from `file_offset` on, as the
+        response arrives, through one buffer of `buffer_size` bytes; returns the bytes written
+        (end - start).
+
+        Why: read whole (`cat_ranges`), a download's 8 MiB ranges were as many 8 MiB bodies in
+        the training process at once, and freeing them raised glibc's mmap threshold so that
+        later bodies came from per-thread arenas that kept 6-14 MiB each (~100 MiB more anonymous
+        memory after a remote epoch). The buffer is an anonymous mmap, given back to the system
+        when the call ends, so it moves no malloc threshold either.
+
+        Raises as `cat_file` does (FileNotFoundError, PermissionError, S3HTTPError,
+        S3ConnectionError, TimeoutError); a body that ends early is a ShortRead, as the range
+        check of `shardloader.io.transfer` reports one, and an error writing `fd` is raised
+        unchanged. A server that ignores the Range header (200 with the whole object) works:
+        the bytes before `start` are skipped. After an error the file's bytes in the range are
+        undefined."""
+        if end <= start:
+            return 0
+        headers = {"range": f"bytes={start}-{end - 1}"}
+        copy = RangeCopy(fd, start, end, file_offset, buffer_size)
+        status, reason, body = self._fetch(path, headers, copy)
+        if status in (200, 206):
+            return copy.written
+        self._raise_for(path, status, reason, body)
+        raise AssertionError("unreachable")
+
     # requests ---------------------------------------------------------------------------------
     def _where(self, path: str) -> tuple[str, str, str]:
         """(scheme, host, encoded request path) of object ``bucket/key``."""
@@ -283,6 +327,15 @@ class S3Reader:
         if start is not None or end is not None:
             lo = start or 0
             headers["range"] = f"bytes={lo}-" + ("" if end is None else str(end - 1))
+        status, reason, body = self._fetch(path, headers, read_whole)
+        if status in (200, 206):
+            return body
+        self._raise_for(path, status, reason, body)
+        raise AssertionError("unreachable")
+
+    def _fetch(self, path: str, headers: dict[str, str], read: BodyReader) -> tuple[int, str, bytes]:
+        """(status, reason, body) of a signed GET of `path`, its body read by `read` (for 200
+        and 206; an error's body is read whole), after following a region redirect."""
         for _ in range(2):  # a second time only after a region redirect
             scheme, host, target = self._where(path)
             if self.settings.key is not None:
@@ -291,14 +344,19 @@ class S3Reader:
                                       datetime.datetime.now(datetime.timezone.utc))
             else:
                 sent = {**headers, "host": host}
-            status, reason, answer, body = self._request(scheme, host, target, sent)
+            status, reason, answer, body = self._request(scheme, host, target, sent, read)
             if status in (200, 206):
-                return body
+                return status, reason, body
             region = answer.get("x-amz-bucket-region")
             if status in (301, 307, 400) and region and region != self._region and not self.settings.endpoint:
                 self._region = region  # the bucket lives elsewhere: sign for its region
                 continue
             break
+        return status, reason, body
+
+    @staticmethod
+    def _raise_for(path: str, status: int, reason: str, body: bytes) -> None:
+        """Raise the exception for an answer other than 200/206 to a GET of `path`."""
         url = f"s3://{path}"
         code = _error_code(body)
         message = f"{url}: HTTP {status} {reason}" + (f" ({code})" if code else "")
@@ -310,26 +368,38 @@ class S3Reader:
             raise error
         raise S3HTTPError(status, message)
 
-    def _request(self, scheme: str, host: str, target: str,
-                 headers: dict[str, str]) -> tuple[int, str, dict[str, str], bytes]:
+    def _request(self, scheme: str, host: str, target: str, headers: dict[str, str],
+                 read: BodyReader) -> tuple[int, str, dict[str, str], bytes]:
+        """(status, reason, lowercased headers, body) of one GET on a pooled connection. A
+        kept-alive connection the server had closed is replaced at once, unless `read` has
+        already written part of the body somewhere (then the error is the caller's)."""
         for attempt in range(2):
             conn, reused = self._connection(scheme, host)
             try:
                 conn.request("GET", target, headers=headers)
                 response = conn.getresponse()
-                body = response.read()
-                answer = {k.lower(): v for k, v in response.getheaders()}
                 status, reason = response.status, response.reason
+                answer = {k.lower(): v for k, v in response.getheaders()}
+                if status in (200, 206):
+                    body, whole = read(response, status)
+                else:
+                    body, whole = response.read(), True
+            except LocalWriteError as e:
+                conn.close()
+                raise e.error from None  # the disk's error, as is (ENOSPC: a refusal)
+            except ShortRead:
+                conn.close()
+                raise
             except (http.client.HTTPException, OSError) as e:
                 conn.close()
                 stale = reused and isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError,
                                                   ConnectionResetError))
-                if stale and not attempt:
+                if stale and not attempt and not getattr(read, "written", 0):
                     continue  # the server closed an idle kept-alive connection: a new one, at once
                 if isinstance(e, TimeoutError):
                     raise
                 raise S3ConnectionError(f"{scheme}://{host}{target}: {type(e).__name__}: {e}") from e
-            if response.will_close:
+            if response.will_close or not whole:
                 conn.close()
             else:
                 self._give_back(scheme, host, conn)
@@ -367,6 +437,13 @@ class S3Reader:
 
     def __repr__(self) -> str:
         return f"S3Reader(endpoint={self.settings.endpoint!r}, region={self._region!r})"
+
+
+def _called(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001 - returned in place of the range
+        return e
 
 
 def _outcome(future: concurrent.futures.Future[Any]) -> Any:
