@@ -31,6 +31,20 @@ def _orders_here(batch: list) -> dict:
     return {"pid": os.getpid(), "orders": orders, "n": len(batch)}
 
 
+@pytest.fixture
+def orders_before() -> list[EpochOrder]:
+    """The EpochOrders alive in this process before the test (other tests' loaders, not yet
+    collected): forked workers inherit them too, so the test counts only the others. Held for
+    the test, so that no new order takes the address (the id) of one of them."""
+    gc.collect()
+    return [o for o in gc.get_objects() if type(o) is EpochOrder]
+
+
+def _new(orders: list, before: list[EpochOrder]) -> list:
+    old = {id(o) for o in before}
+    return [(oid, e) for oid, e in orders if oid not in old]
+
+
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = str(tmp_path_factory.mktemp("scale-memory") / "ds")
@@ -39,7 +53,7 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.parametrize("epochs", [1, 2])
-def test_forked_workers_use_the_order_their_parent_built(sharded, epochs):
+def test_forked_workers_use_the_order_their_parent_built(sharded, epochs, orders_before):
     """Each epoch's workers (not persistent: forked again per epoch) find that epoch's order in
     the plan they inherit, the very object the training process built, and build none."""
     loader = Loader(Dataset(sharded), batch_size=8, shuffle=True, num_workers=2, collate_fn=_orders_here)
@@ -51,13 +65,13 @@ def test_forked_workers_use_the_order_their_parent_built(sharded, epochs):
             seen = {b["pid"] for b in batches}
             assert len(seen) == 2 and os.getpid() not in seen
             for b in batches:
-                built = {oid for oid, e in b["orders"] if e == epoch}
+                built = {oid for oid, e in _new(b["orders"], orders_before) if e == epoch}
                 assert built == {parent}, (epoch, b["pid"], built, parent)
     finally:
         loader.close()
 
 
-def test_persistent_workers_hold_one_order_of_their_own(sharded):
+def test_persistent_workers_hold_one_order_of_their_own(sharded, orders_before):
     """Persistent workers build the later epochs' orders themselves; each keeps only the epoch
     it works on (the training process keeps two), so what they hold does not pile up: at
     epoch 2, one order (20 bytes per shard), not two."""
@@ -69,7 +83,7 @@ def test_persistent_workers_hold_one_order_of_their_own(sharded):
             loader.set_epoch(epoch)
             for b in loader:
                 pids.add(b["pid"])
-                assert [e for _, e in b["orders"]] == [epoch], (epoch, b["orders"])
+                assert [e for _, e in _new(b["orders"], orders_before)] == [epoch], (epoch, b["orders"])
         assert len(pids) == 2  # the same two workers all along
     finally:
         loader.close()
