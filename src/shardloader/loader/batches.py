@@ -239,11 +239,11 @@ class BatchProducer:
         What it saves is small beside a sample's decode (measured on a shared 2-core machine,
         128-256 px JPEGs to 112 px, batch 64, a user's function over DecodeCropFlip + ToTensor
         returning {"img", "label"}: 329 us of CPU per sample in a worker's loop against 335
-        through `collate` and the slot copy). The rest of the gap to the fused path
-        (`_direct_batch`, 282 us) is in the transforms' own per-sample arrays (a fresh image
-        and its CHW copy per sample, where the fused path writes into the batch); the global
-        RNGs cost nothing once the transform is seen not to draw from them (`global_rngs`):
-        benchmarks/handoff.py measures each."""
+        through `collate` and the slot copy). Most of the rest of the gap to the fused path
+        (`_direct_batch`) was ToTensor's per-sample CHW copy, now a view that this collate
+        copies once (`transforms.tensor.copy_into`): 262 -> 231-235 us a sample against the
+        fused path's 216-221, in one process. The global RNGs cost ~2 us once the transform
+        is seen not to draw from them (`global_rngs`): benchmarks/handoff.py measures each."""
         builder = BatchBuilder(len(records), self.allocate_many)
         if self.transform is not None:
             self._transform_all(task, records, samples, builder.add)
