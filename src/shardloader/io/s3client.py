@@ -394,7 +394,7 @@ class S3Reader:
                 conn.close()
                 stale = reused and isinstance(e, (http.client.RemoteDisconnected, BrokenPipeError,
                                                   ConnectionResetError))
-                if stale and not attempt and not getattr(read, "written", 0):
+                if stale and not attempt and not (isinstance(read, RangeCopy) and read.written):
                     continue  # the server closed an idle kept-alive connection: a new one, at once
                 if isinstance(e, TimeoutError):
                     raise
