@@ -80,8 +80,8 @@ class MappedPages:
         return self._size
 
     def drop(self) -> None:
-        if _madvise is not None and self._address and not self._mapped.closed:
-            _madvise(self._address, self._size, _MADV_DONTNEED)
+        if madvise is not None and self._address and not self._mapped.closed:
+            madvise(self._address, self._size, MADV_DONTNEED)
 
 
 class MmapPages:
@@ -105,7 +105,9 @@ def close_mmap(mapped: mmap.mmap) -> None:
         pass
 
 
-_MADV_DONTNEED = 4
+#: madvise(2) advice (Linux): drop this process's page-table entries for a range (the bytes stay
+#: in the page cache, or in the shared-memory object of a shared mapping).
+MADV_DONTNEED = 4
 
 
 def _load_madvise() -> Any:
@@ -121,4 +123,6 @@ def _load_madvise() -> Any:
     return madvise
 
 
-_madvise = _load_madvise()
+#: libc's madvise(address, length, advice) -> int, or None where it is not available: for this
+#: module's maps and the loader's shared-memory batch slots (`loader.workers.slots`).
+madvise = _load_madvise()

@@ -38,8 +38,6 @@ it, and a batch the slots cannot take apart at all travels pickled whole: never 
 from __future__ import annotations
 
 import collections
-import ctypes
-import ctypes.util
 import math
 import os
 import threading
@@ -50,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shardloader.format.mapped import MADV_DONTNEED, madvise
 from shardloader.loader.workers.frames import frame
 from shardloader.loader.workers.structure import (
     Span,
@@ -68,10 +67,7 @@ _MIN_SLOT_BYTES = 1 << 20
 LEND_PER_WORKER = 4
 #: Room `allocate` leaves after the reserved tensor for the batch's other tensors (labels...).
 _RESERVE_EXTRA = 64 << 10
-#: madvise(2) advice (Linux): drop this process's page-table entries for a range of a shared
-#: mapping (the bytes stay in the shared-memory object), and map a range's pages writable in
-#: one call (Linux >= 5.14; EINVAL before).
-_MADV_DONTNEED = 4
+#: madvise(2) advice (Linux >= 5.14; EINVAL before): map a range's pages writable in one call.
 _MADV_POPULATE_WRITE = 23
 
 
@@ -97,21 +93,13 @@ class _PageAdvice:
     the time."""
 
     def __init__(self) -> None:
-        self._madvise: Any = None
+        self._madvise: Any = madvise  # libc's, as `shardloader.format.mapped` loads it
         self._populate = True
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            madvise = libc.madvise
-        except (OSError, AttributeError):
-            return
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        madvise.restype = ctypes.c_int
-        self._madvise = madvise
 
     def release(self, slot: torch.Tensor) -> None:
         """Drop this process's mapping of the slot's pages (the shared bytes stay)."""
         if self._madvise is not None and slot.numel():
-            self._madvise(slot.data_ptr(), slot.numel(), _MADV_DONTNEED)
+            self._madvise(slot.data_ptr(), slot.numel(), MADV_DONTNEED)
 
     def populate(self, slot: torch.Tensor, nbytes: int) -> None:
         """Map the first `nbytes` of the slot writable now, in one call (a kernel without
