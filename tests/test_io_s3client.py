@@ -117,14 +117,9 @@ def test_transient_faults_are_retried_to_the_exact_bytes(obj, s3_server, fault_p
     ]))
     fs, path = filesystem(obj, s3_server.storage_options(proxy.url))
     assert isinstance(fs, S3Reader)
-    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        stats = download(fs, path, obj, fd, size=len(PAYLOAD), checksum=checksum_bytes(PAYLOAD),
-                         policy=FAST, chunk_size=16 << 10, parallel=4)
-    finally:
-        os.close(fd)
+    stats, data = _download(fs, tmp_path, PAYLOAD, chunk=16 << 10, path=path)
     proxy.settled()
-    assert (tmp_path / "out").read_bytes() == PAYLOAD
+    assert data == PAYLOAD
     assert proxy.faults() and stats.retries >= 1
 
 
@@ -218,10 +213,12 @@ def file_server(tmp_path):
         server.server_close()
 
 
-def _download(fs, tmp_path, payload, *, chunk, parallel=4, checksum=None):
+def _download(fs, tmp_path, payload, *, chunk, parallel=4, checksum=None, path="bucket/blob.bin"):
+    """`download` of object `path` (of `payload`'s size and checksum) into tmp_path/out: its
+    stats and the file's bytes."""
     fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        stats = download(fs, "bucket/blob.bin", "s3://bucket/blob.bin", fd, size=len(payload),
+        stats = download(fs, path, f"s3://{path}", fd, size=len(payload),
                          checksum=checksum or checksum_bytes(payload), policy=FAST,
                          chunk_size=chunk, parallel=parallel)
     finally:
@@ -285,14 +282,9 @@ def test_a_short_body_is_a_short_read_and_transient(file_server, tmp_path):
 def test_truncated_bodies_mid_range_are_retried_to_the_exact_bytes(obj, s3_server, fault_proxy, tmp_path):
     proxy = fault_proxy(s3_server.endpoint, first(2, Fault("truncate", fraction=0.5)))
     fs, path = filesystem(obj, s3_server.storage_options(proxy.url))
-    fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        stats = download(fs, path, obj, fd, size=len(PAYLOAD), checksum=checksum_bytes(PAYLOAD),
-                         policy=FAST, chunk_size=64 << 10, parallel=4)
-    finally:
-        os.close(fd)
+    stats, data = _download(fs, tmp_path, PAYLOAD, chunk=64 << 10, path=path)
     log = proxy.settled()
-    assert (tmp_path / "out").read_bytes() == PAYLOAD
+    assert data == PAYLOAD
     assert len(proxy.faults()) == 2 and stats.retries >= 1
     assert len(log) == 4 + 2  # ceil(200000 / 65536) ranges, the two truncated ones again
     assert stats.bytes_received == len(PAYLOAD)
