@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import threading
 
 import pytest
 
@@ -295,3 +296,39 @@ def test_a_reader_in_use_is_not_released(six_shards, tmp_path, http_server):
             remote[30]
     assert remote[30]["label"] == 30  # once shard 0 is idle, it gives way
     remote.close()
+
+
+def test_threads_that_ask_at_once_open_the_ledger_once(tmp_path, monkeypatch):
+    """The sidecar fetch and prefetch threads may ask for the ledger first at the same moment:
+    one of them opens it and reconciles the cache, the others wait and get the same ledger."""
+    from shardloader.cache import store
+
+    cache = store.ShardCache(tmp_path / "cache", 10**6)
+    opened = []
+    racer_entered = threading.Event()
+    reconcile = store.reconcile
+
+    def reconcile_watching_for_a_racer(layout, ledger):
+        opened.append(ledger)
+        if len(opened) > 1:
+            racer_entered.set()
+        else:  # hold the first opening open long enough for a racing thread to enter too
+            racer_entered.wait(2.0)
+        reconcile(layout, ledger)
+
+    monkeypatch.setattr(store, "reconcile", reconcile_watching_for_a_racer)
+    start = threading.Barrier(4)
+    got = []
+
+    def ask() -> None:
+        start.wait()
+        got.append(cache.ledger)
+
+    threads = [threading.Thread(target=ask) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(opened) == 1 and not racer_entered.is_set()
+    assert len(got) == 4 and all(ledger is opened[0] for ledger in got)
+    cache.close()

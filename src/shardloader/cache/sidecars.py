@@ -43,7 +43,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shardloader.cache.download import temp_files
-from shardloader.cache.ledger import Ledger, LedgerEntry, Reservation
+from shardloader.cache.ledger import LedgerEntry, Reservation
 from shardloader.cache.locks import FILE_MODE, close_fd, exclusive, pin_file
 from shardloader.cache.room import make_room
 from shardloader.cache.shard_files import remove_temps
@@ -77,23 +77,12 @@ def matches(data: bytes, want: SidecarWant) -> bool:
     return len(data) == want.bytes and checksum_bytes(data, parse_checksum(want.checksum)[0]) == want.checksum
 
 
-#: One first opening of a cache's ledger at a time among the sidecar fillers of this process
-#: (two committing threads would each open and reconcile one; `ShardCache.ledger` is unlocked).
-_OPENING = threading.Lock()
-
-
-def _ledger(cache: ShardCache) -> Ledger:
-    """`cache.ledger`, opened (and the cache reconciled) once per process."""
-    with _OPENING:
-        return cache.ledger
-
-
 def cached_sidecar(cache: ShardCache, want: SidecarWant) -> bytes | None:
     """The bytes of `want` when the node cache holds it and they verify, after waiting for a
     fill of it in flight (its download lock: a commit held for a first batch, see
     `load_sidecars`); None otherwise (a file that does not verify is discarded, to be fetched
     again). Lock order: a caller may hold a shard's download lock, never a sidecar's."""
-    _ledger(cache)  # open (and reconcile) before any lock is taken
+    _ = cache.ledger  # open (and reconcile) before any lock is taken
     data = _read(cache, want, locked=False)
     if data is not None:
         return data
@@ -177,7 +166,7 @@ def _commit_all(cache: ShardCache, fetched: list[tuple[SidecarWant, bytes]]) -> 
     download locks); one without room now is left out (its bytes serve the caller only)."""
     if not fetched:
         return
-    _ledger(cache)  # open (and reconcile) first: reserving takes the bookkeeping lock
+    _ = cache.ledger  # open (and reconcile) first: reserving takes the bookkeeping lock
     reserved: list[str] = []
     committed: set[str] = set()
     try:
@@ -204,7 +193,7 @@ def _read(cache: ShardCache, want: SidecarWant, *, locked: bool) -> bytes | None
     path = cache.path_of(want.name)
     if not os.path.exists(path):
         return None  # not on the node: no ledger needed (a cold start's path)
-    ledger = _ledger(cache)  # before any lock (the pin; `discard` takes the bookkeeping lock)
+    ledger = cache.ledger  # before any lock (the pin; `discard` takes the bookkeeping lock)
     fd = pin_file(path)
     if fd is None:
         return None

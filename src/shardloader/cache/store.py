@@ -107,6 +107,7 @@ class ShardCache:
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
         self._ledger: Ledger | None = None
+        self._ledger_opening = threading.Lock()  # one thread opens (and reconciles) it
         self._pins: dict[str, list[int]] = {}  # name -> [fd, count]
         self._verified: set[tuple[str, FileIdentity]] = set()  # (name, the file verified)
         self._releasers: list[weakref.WeakMethod | Callable[[], Releaser | None]] = []
@@ -124,15 +125,22 @@ class ShardCache:
         """This process's ledger, opened (and the cache reconciled) on first use.
 
         Public methods use it before taking any lock: reconciling takes the bookkeeping lock,
-        which is not re-entrant across descriptors."""
+        which is not re-entrant across descriptors. Threads that ask at once (the sidecar fetch
+        and a prefetch thread, say) wait for the one that opens it, so the ledger is opened and
+        the cache reconciled once per process."""
         if self._pid != os.getpid():
             self._forget_after_fork()
-        if self._ledger is None:
-            ledger = Ledger(self.layout.index_dir, self.root)
-            with disk_errors(self.root, "reconciling its ledger with its files", limit=self.limit):
-                reconcile(self.layout, ledger)
-            self._ledger = ledger
-        return self._ledger
+        ledger = self._ledger
+        if ledger is not None:
+            return ledger
+        with self._ledger_opening:
+            if self._ledger is None:
+                opened = Ledger(self.layout.index_dir, self.root)
+                with disk_errors(self.root, "reconciling its ledger with its files",
+                                 limit=self.limit):
+                    reconcile(self.layout, opened)
+                self._ledger = opened
+            return self._ledger
 
     def path_of(self, name: str) -> str:
         return self.layout.path_of(name)
