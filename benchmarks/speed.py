@@ -46,9 +46,9 @@ Figures and how each is measured (all in this one run):
   stopped after; `benchmarks/_s3.py`) holds each loader's layout; a fresh process per try, with
   an empty local cache, from construction to the first batch.
 
-    .venv-bench/bin/python -m benchmarks.speed            # the full table, ~10 min on 2 cores
-                                                          # before SPDL (its columns decode at
-                                                          # ~1/4 of the others' rate: more)
+    .venv-bench/bin/python -m benchmarks.speed            # the full table: ~22 min on 2 cores
+                                                          # with FFCV and SPDL (SPDL decodes at
+                                                          # ~1/6 of the others' rate)
     .venv-bench/bin/python -m benchmarks.speed --quick    # smoke run, 2k images, ~2.5 min
                                                           # (FFCV compiling its JIT: ~35 s;
                                                           # with SPDL, on a loaded machine: 5.3)
