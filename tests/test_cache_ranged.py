@@ -319,3 +319,37 @@ def test_the_first_batch_is_fetched_once_before_the_workers_start(arrow_dir, s3_
     # workers inherited it: none of them asked for it again.
     assert sorted(name for name in sidecar_gets if name[:-len(".ranges")] in first) == sorted(
         f"{path}.ranges" for path in first)
+
+
+@pytest.mark.parametrize("worker_type", ["inline", "thread"])
+def test_without_worker_processes_the_imports_are_done_while_the_first_batch_is_fetched(
+        arrow_dir, s3_server, s3_url, tmp_path, monkeypatch, worker_type):
+    """A cold Loader fetches its first batch's rows before its workers start; the producer's
+    imports run during that wait also when no worker process will inherit them, so the first
+    batch does not pay for them after it."""
+    from shardloader.loader.batches import BatchProducer
+
+    want = take(Loader(Dataset(arrow_dir), batch_size=16, seed=3, shuffle=True, partitions=4, window=2,
+                       transform=noisy_crop), 2)
+    events: list[str] = []
+    warm_up, produce = BatchProducer.warm_up, BatchProducer.__call__
+
+    def recording_warm_up(self):
+        events.append("warm_up")
+        warm_up(self)
+
+    def recording_call(self, task):
+        events.append("batch")
+        return produce(self, task)
+
+    monkeypatch.setattr(BatchProducer, "warm_up", recording_warm_up)
+    monkeypatch.setattr(BatchProducer, "__call__", recording_call)
+    ds = Dataset(s3_url(arrow_dir), cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
+                 storage_options=s3_server.storage_options())
+    num_workers = 0 if worker_type == "inline" else 2
+    kind = {} if worker_type == "inline" else {"worker_type": "thread"}
+    loader = Loader(ds, batch_size=16, seed=3, shuffle=True, num_workers=num_workers, partitions=4,
+                    window=2, transform=noisy_crop, **kind)
+    assert take(loader, 2) == want
+    loader.close()
+    assert events[0] == "warm_up" and events.count("warm_up") == 1

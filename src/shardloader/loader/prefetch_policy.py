@@ -59,8 +59,10 @@ class EpochPrefetch:
         """Cold start from remote shards: fetch the bytes the first batch reads by range now,
         before the workers fork, so that its worker inherits them and needs no request, and the
         other workers' requests for the next batches do not compete with the first's (measured
-        with 2 workers on loopback S3: see docs/cache.md). The imports the workers would inherit
-        are done meanwhile. Bounded: a fetch still running after `_PRIME_SECONDS` is left to
+        with 2 workers on loopback S3: see docs/cache.md). The producer's imports (OpenCV, the
+        crop decoder's check) are done meanwhile, whatever the workers: forked ones inherit
+        them, and inline or thread workers would otherwise pay for them after the wait, in
+        their first batch (~20 ms of a cold first batch, `benchmarks/coldstart.py`). Bounded: a fetch still running after `_PRIME_SECONDS` is left to
         finish in the background (its worker then fetches the rows itself)."""
         if not self.steps:
             return
@@ -70,8 +72,7 @@ class EpochPrefetch:
         thread = threading.Thread(target=self.dataset.prime, args=(samples,), name="shardloader-prime",
                                   daemon=True)
         thread.start()
-        if workers.forks:
-            workers.producer.warm_up()
+        workers.producer.warm_up()
         thread.join(_PRIME_SECONDS)
         if thread.is_alive():
             warnings.warn(f"fetching the first batch's bytes took over {_PRIME_SECONDS:g} s; starting "
