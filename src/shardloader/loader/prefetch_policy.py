@@ -62,8 +62,9 @@ class EpochPrefetch:
         with 2 workers on loopback S3: see docs/cache.md). The producer's imports (OpenCV, the
         crop decoder's check) are done meanwhile, whatever the workers: forked ones inherit
         them, and inline or thread workers would otherwise pay for them after the wait, in
-        their first batch (~20 ms of a cold first batch, `benchmarks/coldstart.py`). Bounded: a fetch still running after `_PRIME_SECONDS` is left to
-        finish in the background (its worker then fetches the rows itself)."""
+        their first batch (~20 ms of a cold first batch, `benchmarks/coldstart.py`). Bounded: a
+        fetch still running after `_PRIME_SECONDS` is left to finish in the background (its
+        worker then fetches the rows itself)."""
         if not self.steps:
             return
         if not workers.would_inherit():
