@@ -305,17 +305,34 @@ def test_threads_that_ask_at_once_open_the_ledger_once(tmp_path, monkeypatch):
 
     cache = store.ShardCache(tmp_path / "cache", 10**6)
     opened = []
-    racer_entered = threading.Event()
+    state = threading.Condition()
+    at_the_lock = [0]  # threads that reached the opening lock
+    opening_lock = threading.Lock()
+
+    class CountingLock:
+        """The cache's opening lock, counting the threads that arrive at it."""
+
+        def __enter__(self):
+            with state:
+                at_the_lock[0] += 1
+                state.notify_all()
+            opening_lock.acquire()
+
+        def __exit__(self, *exc):
+            opening_lock.release()
+
     reconcile = store.reconcile
 
     def reconcile_watching_for_a_racer(layout, ledger):
-        opened.append(ledger)
-        if len(opened) > 1:
-            racer_entered.set()
-        else:  # hold the first opening open long enough for a racing thread to enter too
-            racer_entered.wait(2.0)
+        with state:
+            opened.append(ledger)
+            state.notify_all()
+            # hold the first opening until every thread waits at the lock or another one
+            # reconciles beside it (no lock); 60 s only bounds a broken run
+            assert state.wait_for(lambda: at_the_lock[0] == 4 or len(opened) > 1, timeout=60)
         reconcile(layout, ledger)
 
+    monkeypatch.setattr(cache, "_ledger_opening", CountingLock(), raising=False)
     monkeypatch.setattr(store, "reconcile", reconcile_watching_for_a_racer)
     start = threading.Barrier(4)
     got = []
@@ -329,6 +346,6 @@ def test_threads_that_ask_at_once_open_the_ledger_once(tmp_path, monkeypatch):
         thread.start()
     for thread in threads:
         thread.join(60)
-    assert len(opened) == 1 and not racer_entered.is_set()
+    assert len(opened) == 1
     assert len(got) == 4 and all(ledger is opened[0] for ledger in got)
     cache.close()
