@@ -349,3 +349,59 @@ def test_threads_that_ask_at_once_open_the_ledger_once(tmp_path, monkeypatch):
     assert len(opened) == 1
     assert len(got) == 4 and all(ledger is opened[0] for ledger in got)
     cache.close()
+
+
+def test_close_while_a_thread_opens_the_ledger_closes_the_ledger_it_opened(tmp_path, monkeypatch):
+    """`close()` called while another thread is opening the ledger (reconciling the cache)
+    waits for that opening and closes what it opened: no ledger stays open behind a closed
+    cache (before, close saw no ledger yet, and the opener then set one)."""
+    from shardloader.cache import ledger as ledger_module
+    from shardloader.cache import store
+
+    connections_before = set(ledger_module._OPEN)  # this process's open ledger connections
+    cache = store.ShardCache(tmp_path / "cache", 10**6)
+    state = threading.Condition()
+    at_the_lock = [0]  # threads that reached the opening lock
+    close_returned = threading.Event()
+    opening_lock = threading.Lock()
+
+    class CountingLock:
+        def __enter__(self):
+            with state:
+                at_the_lock[0] += 1
+                state.notify_all()
+            opening_lock.acquire()
+
+        def __exit__(self, *exc):
+            opening_lock.release()
+
+    reconcile = store.reconcile
+    opened = []
+
+    def reconcile_until_close_is_called(layout, ledger):
+        with state:  # the closer is at the lock (or, without it, has returned); 60 s bounds a broken run
+            opened.append(ledger)
+            state.notify_all()
+            assert state.wait_for(lambda: at_the_lock[0] == 2 or close_returned.is_set(), timeout=60)
+        reconcile(layout, ledger)
+
+    monkeypatch.setattr(cache, "_ledger_opening", CountingLock(), raising=False)
+    monkeypatch.setattr(store, "reconcile", reconcile_until_close_is_called)
+    opener = threading.Thread(target=lambda: cache.ledger)
+    opener.start()
+    with state:
+        assert state.wait_for(lambda: len(opened) == 1, timeout=60)
+
+    def close() -> None:
+        cache.close()
+        with state:
+            close_returned.set()
+            state.notify_all()
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    opener.join(60)
+    closer.join(60)
+    assert not opener.is_alive() and not closer.is_alive()
+    assert cache._ledger is None
+    assert set(ledger_module._OPEN) == connections_before  # the opened ledger's connection: closed

@@ -413,9 +413,12 @@ class ShardCache:
             self._releasers = []
         if watcher is not None:
             watcher.stop()
-        if self._ledger is not None:
-            self._ledger.close()
-            self._ledger = None
+        # Under the opening lock: a thread opening the ledger meanwhile finishes first, and the
+        # ledger it opened is closed here, not left open behind a closed cache.
+        with self._ledger_opening:
+            ledger, self._ledger = self._ledger, None
+        if ledger is not None:
+            ledger.close()
 
     def __del__(self) -> None:
         # A dropped cache handle must not keep its shards pinned (its descriptors are plain ints).
