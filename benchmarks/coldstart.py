@@ -34,13 +34,12 @@ they are noisy, the medians less so.
 
     .venv/bin/python -m benchmarks.coldstart [--images 20000] [--repeats 3] [--workers 0,2]
 
-`--experiment` patches one proposed change into the children, for an A/B against `none` (the
-library as it is): `young-gc-at-pause-end` ends the loader's GC pause with a collection of the
-young generations only (the full collection the pause deferred is then not run inside
-`next()`), `gc-during-prime` runs the deferred collection while the training thread waits for
-the priming thread, `freeze-before-start` calls `gc.freeze()` when the epoch starts (before
-priming and the fork). (`warm-up-inline`, the producer's warm-up during priming also without
-worker processes, measured decode 37.5 -> 17.2 ms there and is now the library's behaviour.)
+Its first version also patched proposed changes into the children for A/B runs: the
+producer's warm-up during priming without worker processes (decode 37.5 -> 17.2 ms, now the
+library's behaviour) and three ways of taking the garbage collector's full collection off the
+first `next()`; the library's own answer (`shardloader.runtime.startup`: the pause's objects
+promoted uncollected) left nothing for those to remove ("GC in training process" is 0.0 ms
+here), and copies of the library's code they needed were dropped with them.
 
 `--user-seconds S` sleeps S seconds between `Loader()` and `iter()`, as a training script
 builds its model there: what the range sidecars fetched from `Loader()` on save then shows in
@@ -65,7 +64,6 @@ BATCH = 64
 SEED = 17
 SIZE = 112
 EVENTS_ENV = "SHARDLOADER_BENCH_EVENTS"
-EXPERIMENT_ENV = "COLDSTART_EXPERIMENT"
 
 # -- the child: one cold start, instrumented -----------------------------------------------------
 
@@ -129,59 +127,6 @@ def _instrument() -> None:
     _timed(batches.BatchProducer, "__call__", "task", lambda a, k, out: {
         "step": a[1].step, "read_s": out[1].read_seconds, "transform_s": out[1].transform_seconds,
         "wait_s": out[1].download_wait_seconds, "extra": dict(out[1].extra)})
-    if os.environ.get(EXPERIMENT_ENV) == "gc-during-prime":  # A/B for the proposal
-        import gc as _gc
-
-        def before_workers(self: Any, workers: Any) -> None:
-            # the same as EpochPrefetch._prime_first_batch, plus the deferred collection
-            # run on this thread while the priming thread waits for the server
-            if not (self.deferred and self.steps and workers.would_inherit()):
-                return
-            samples = self.plan.samples(self.epoch, self.steps[0])
-            thread = threading.Thread(target=self.dataset.prime, args=(samples,), daemon=True)
-            thread.start()
-            workers.producer.warm_up()
-            t0 = time.perf_counter()
-            _gc.collect()
-            _event("explicit_gc", t0, time.perf_counter())
-            thread.join(30.0)
-
-        prefetch_policy.EpochPrefetch.before_workers = before_workers
-        _timed(prefetch_policy.EpochPrefetch, "before_workers", "before_workers")
-    if os.environ.get(EXPERIMENT_ENV) == "young-gc-at-pause-end":  # A/B for a proposal
-        import contextlib
-        import gc as _gc
-
-        from shardloader.loader import epoch
-
-        @contextlib.contextmanager
-        def paused_then_young() -> Any:
-            was = _gc.isenabled()
-            _gc.disable()
-            try:
-                yield
-            finally:
-                if was:
-                    t0 = time.perf_counter()
-                    _gc.collect(1)  # the young generations only: the full one stays due
-                    _event("explicit_gc", t0, time.perf_counter())
-                    _gc.enable()
-
-        epoch.paused_gc = paused_then_young
-    if os.environ.get(EXPERIMENT_ENV) == "freeze-before-start":  # A/B for a proposal
-        import gc as _gc
-
-        from shardloader.loader import epoch
-
-        inner_start = epoch.EpochIterator._start
-
-        def frozen_start(self: Any) -> None:
-            t0 = time.perf_counter()
-            _gc.freeze()  # what exists now is left out of every later collection
-            _event("explicit_gc", t0, time.perf_counter())
-            inner_start(self)
-
-        epoch.EpochIterator._start = frozen_start
     import gc
 
     started: dict[str, float] = {}
@@ -374,9 +319,6 @@ def phases(c: dict[str, Any], evs: list[dict[str, Any]]) -> dict[str, Any]:
                 if what == "start_prefetch":
                     out["  prefetch started -> next() returns"] = end - e["t1"]
     collections = [e for e in evs if e["what"] == "gc" and e["pid"] == parent and e["t0"] < end]
-    explicit = first("explicit_gc")
-    if explicit is not None:
-        out["  explicit GC (experiment)"] = explicit["t1"] - explicit["t0"]
     out["GC in training process (sum)"] = sum(e["t1"] - e["t0"] for e in collections
                                               if e["t0"] >= c["t_internals"])
     if task is not None:
@@ -440,10 +382,6 @@ def main() -> None:
                         help="image sizes: 'default' 128-256 px (~14.3 KiB), 'issue' 112-224 px "
                              "(~11.4 KiB, issue 24's ~11 KiB JPEGs)")
     parser.add_argument("--workers", default="0,2")
-    parser.add_argument("--experiment", default="none",
-                        choices=["none", "gc-during-prime", "young-gc-at-pause-end", "freeze-before-start"],
-                        help="diagnosis only: run the children with one proposed change patched in "
-                             "(see _instrument); 'none' measures the library as it is")
     parser.add_argument("--user-seconds", type=float, default=0.0,
                         help="sleep this long between Loader() and iter() (a script's model set-up)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -460,7 +398,7 @@ def main() -> None:
     workers = [int(w) for w in args.workers.split(",")]
     runs: dict[int, list[dict[str, Any]]] = {w: [] for w in workers}
     print(f"# cold first batch from S3 (moto on loopback, empty cache, fresh process per try); "
-          f"experiment: {args.experiment}; {args.user_seconds:g} s between Loader() and iter()\n"
+          f"{args.user_seconds:g} s between Loader() and iter()\n"
           f"{describe(images)}; batch {BATCH}, shuffled, Compose([DecodeCropFlip({SIZE}), ToTensor()]); "
           f"{load_average()}", flush=True)
     with S3Process({"arrow": images.arrow_dir}) as server:
@@ -469,7 +407,7 @@ def main() -> None:
             for w in workers:
                 got = run_try({"url": server.at.url("arrow"), "endpoint": server.at.endpoint, "workers": w,
                                "user_seconds": args.user_seconds},
-                              {**server.at.env(), EXPERIMENT_ENV: args.experiment})
+                              server.at.env())
                 runs[w].append(got)
                 print(f"  try {r + 1}, {w} workers: {got['from Dataset() to batch']:.3f} s from Dataset(), "
                       f"{got['from import to batch']:.3f} s from import", flush=True)
