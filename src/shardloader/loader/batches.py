@@ -158,9 +158,9 @@ class BatchProducer:
         """Import here what producing a batch imports lazily, before worker processes fork.
 
         Forked workers inherit this process's modules (their pages shared copy-on-write)
-        instead of each importing the shard reader stack (for Parquet, pyarrow; local Arrow
-        shards need none, see `shardloader.format.ipc`) and the image libraries before its
-        first batch. For a local dataset one sample is read (a reader's first read loads what
+        instead of each importing numpy.random, the shard reader stack (for Parquet, pyarrow;
+        local Arrow shards need none, see `shardloader.format.ipc`) and the image libraries
+        before its first batch (tests/test_startup.py checks that a worker imports nothing). For a local dataset one sample is read (a reader's first read loads what
         it loads lazily); a remote one would download a shard, so there only the modules are
         imported. (Arrow rows read by range are built without pyarrow too; for other files the
         worker that reads them imports it: importing it here made a cold first batch slower,
@@ -175,7 +175,12 @@ class BatchProducer:
             self._import_and_read()
 
     def _import_and_read(self) -> None:
-        for name in ("cv2", "simplejpeg"):  # what shardloader.transforms load on first use
+        # numpy.random: numpy imports it on first use, and every worker uses it before its first
+        # task (seeded at set-up, as DataLoader seeds it): 10-20 ms and 2.7 MB of private memory
+        # per worker when each imported it itself (benchmarks/coldstart.py's "worker: set-up to
+        # first task"); numpy.ctypeslib, with which the global-RNG scope of a user's transform
+        # reads its state (`shardloader.order.global_rngs`); then what shardloader.transforms load.
+        for name in ("numpy.random", "numpy.ctypeslib", "cv2", "simplejpeg"):
             try:
                 importlib.import_module(name)
             except ImportError:
