@@ -298,6 +298,25 @@ def test_a_reader_in_use_is_not_released(six_shards, tmp_path, http_server):
     remote.close()
 
 
+class _CountingLock:
+    """A lock that counts the threads that reach it (under `state`, which it notifies), for the
+    tests that stand in for a cache's ledger-opening lock."""
+
+    def __init__(self, state: threading.Condition) -> None:
+        self.state = state
+        self.arrived = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        with self.state:
+            self.arrived += 1
+            self.state.notify_all()
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
 def test_threads_that_ask_at_once_open_the_ledger_once(tmp_path, monkeypatch):
     """The sidecar fetch and prefetch threads may ask for the ledger first at the same moment:
     one of them opens it and reconciles the cache, the others wait and get the same ledger."""
@@ -306,20 +325,7 @@ def test_threads_that_ask_at_once_open_the_ledger_once(tmp_path, monkeypatch):
     cache = store.ShardCache(tmp_path / "cache", 10**6)
     opened = []
     state = threading.Condition()
-    at_the_lock = [0]  # threads that reached the opening lock
-    opening_lock = threading.Lock()
-
-    class CountingLock:
-        """The cache's opening lock, counting the threads that arrive at it."""
-
-        def __enter__(self):
-            with state:
-                at_the_lock[0] += 1
-                state.notify_all()
-            opening_lock.acquire()
-
-        def __exit__(self, *exc):
-            opening_lock.release()
+    opening_lock = _CountingLock(state)  # the cache's, counting the threads that reach it
 
     reconcile = store.reconcile
 
@@ -329,10 +335,10 @@ def test_threads_that_ask_at_once_open_the_ledger_once(tmp_path, monkeypatch):
             state.notify_all()
             # hold the first opening until every thread waits at the lock or another one
             # reconciles beside it (no lock); 60 s only bounds a broken run
-            assert state.wait_for(lambda: at_the_lock[0] == 4 or len(opened) > 1, timeout=60)
+            assert state.wait_for(lambda: opening_lock.arrived == 4 or len(opened) > 1, timeout=60)
         reconcile(layout, ledger)
 
-    monkeypatch.setattr(cache, "_ledger_opening", CountingLock(), raising=False)
+    monkeypatch.setattr(cache, "_ledger_opening", opening_lock, raising=False)
     monkeypatch.setattr(store, "reconcile", reconcile_watching_for_a_racer)
     start = threading.Barrier(4)
     got = []
@@ -361,31 +367,22 @@ def test_close_while_a_thread_opens_the_ledger_closes_the_ledger_it_opened(tmp_p
     connections_before = set(ledger_module._OPEN)  # this process's open ledger connections
     cache = store.ShardCache(tmp_path / "cache", 10**6)
     state = threading.Condition()
-    at_the_lock = [0]  # threads that reached the opening lock
+    opening_lock = _CountingLock(state)
     close_returned = threading.Event()
-    opening_lock = threading.Lock()
-
-    class CountingLock:
-        def __enter__(self):
-            with state:
-                at_the_lock[0] += 1
-                state.notify_all()
-            opening_lock.acquire()
-
-        def __exit__(self, *exc):
-            opening_lock.release()
-
     reconcile = store.reconcile
     opened = []
 
     def reconcile_until_close_is_called(layout, ledger):
-        with state:  # the closer is at the lock (or, without it, has returned); 60 s bounds a broken run
+        # hold the opening until the closer waits at the lock (or, without the lock, has
+        # returned); 60 s only bounds a broken run
+        with state:
             opened.append(ledger)
             state.notify_all()
-            assert state.wait_for(lambda: at_the_lock[0] == 2 or close_returned.is_set(), timeout=60)
+            assert state.wait_for(lambda: opening_lock.arrived == 2 or close_returned.is_set(),
+                                  timeout=60)
         reconcile(layout, ledger)
 
-    monkeypatch.setattr(cache, "_ledger_opening", CountingLock(), raising=False)
+    monkeypatch.setattr(cache, "_ledger_opening", opening_lock, raising=False)
     monkeypatch.setattr(store, "reconcile", reconcile_until_close_is_called)
     opener = threading.Thread(target=lambda: cache.ledger)
     opener.start()
