@@ -139,11 +139,11 @@ def test_a_local_loader_never_imports_the_node_cache(dataset_dir):
 
 def test_forked_workers_import_nothing_the_training_process_had_not(dataset_dir, tmp_path):
     """A forked worker's set-up (it seeds `numpy.random`, as DataLoader's workers do) and its
-    first batch import no module the training process had not imported before forking it: each
+    batches import no module the training process had not imported before forking it: each
     worker importing numpy.random itself cost 10-20 ms before its first task and 2.7 MB of
-    private memory (benchmarks/coldstart.py's "worker: set-up to first task"). A fresh process,
-    whose modules are compared with what each worker holds when `worker_init_fn` runs (after
-    the set-up) and after its first batch."""
+    private memory (benchmarks/coldstart.py's "worker: set-up to first task"). A fresh process;
+    the modules each worker holds when `worker_init_fn` runs (after the set-up) and at its last
+    sample are compared with the training process's after two batches."""
     import json
     import subprocess
     import sys
