@@ -120,9 +120,6 @@ def test_a_local_loader_never_imports_the_node_cache(dataset_dir):
     """Local shards are read in place: a fresh process that iterates a local Loader (workers
     included) imports none of the node cache (its store, ledger, sqlite3, diskcache), whose
     modules cost the training process 1.7 MiB of RSS."""
-    import subprocess
-    import sys
-
     script = (
         "import sys\n"
         "from shardloader import Dataset, Loader\n"
@@ -132,9 +129,7 @@ def test_a_local_loader_never_imports_the_node_cache(dataset_dir):
         "print(sorted(m for m in sys.modules if m.startswith('shardloader.cache') "
         "or m in ('sqlite3', 'diskcache')))\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "[]"
+    assert _last_line_of(script) == "[]"
 
 
 def test_forked_workers_import_nothing_the_training_process_had_not(dataset_dir, tmp_path):
@@ -145,34 +140,39 @@ def test_forked_workers_import_nothing_the_training_process_had_not(dataset_dir,
     the modules each worker holds when `worker_init_fn` runs (after the set-up) and at its last
     sample are compared with the training process's after two batches."""
     import json
-    import subprocess
-    import sys
 
     script = (
         "import json, os, sys\n"
         "from shardloader import Dataset, Loader\n"
-        f"out = {str(tmp_path)!r}\n"
+        "def dump_modules(name):\n"
+        f"    with open(os.path.join({str(tmp_path)!r}, name + '.json'), 'w') as f:\n"
+        "        json.dump(sorted(sys.modules), f)\n"
         "def note(worker_id):\n"
-        "    with open(os.path.join(out, f'init-{worker_id}.json'), 'w') as f:\n"
-        "        json.dump(sorted(sys.modules), f)\n"
-        "def after_first_batch(sample):\n"
-        "    path = os.path.join(out, f'batch-{os.getpid()}.json')\n"
-        "    with open(path, 'w') as f:\n"
-        "        json.dump(sorted(sys.modules), f)\n"
+        "    dump_modules(f'init-{worker_id}')\n"
+        "def note_each_sample(sample):\n"
+        "    dump_modules(f'batch-{os.getpid()}')\n"
         "    return sample\n"
         f"loader = Loader(Dataset({str(dataset_dir)!r}), batch_size=4, num_workers=2,\n"
-        "                worker_init_fn=note, transform=after_first_batch)\n"
+        "                worker_init_fn=note, transform=note_each_sample)\n"
         "it = iter(loader)\n"
         "next(it); next(it)\n"
         "print(json.dumps(sorted(sys.modules)))\n"
         "del it\n"
         "loader.close()\n"
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    parent = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    parent = set(json.loads(_last_line_of(script)))
     seen = sorted(tmp_path.glob("init-*.json")) + sorted(tmp_path.glob("batch-*.json"))
-    assert len(seen) == 4  # both workers, at set-up and after a batch each
+    assert len(seen) == 4  # both workers, at set-up and at their last sample
     for path in seen:
         imported_there = sorted(set(json.loads(path.read_text())) - parent)
         assert imported_there == [], f"{path.name}: imported in the worker: {imported_there}"
+
+
+def _last_line_of(script: str) -> str:
+    """The last line `script` printed, run in a fresh interpreter (which must succeed)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()[-1]
