@@ -44,7 +44,9 @@ loopback's real rate under the cap, next to the cap's own time.
 
     .venv/bin/python benchmarks/checkpoint.py --remote --sizes 256M --caps 100M   # ~3 min
     .venv/bin/python benchmarks/checkpoint.py --remote --sizes 1G,4G --caps 100M,25M  # full
-    (the 4 GiB state needs ~20 GiB free: the state, a staged copy, moto's copy on completion)
+    Where all methods and caps do not fit in memory together (`remote_memory`: the 4 GiB state
+    on a 24 GiB machine), each cap and method runs in a worker of its own, in turn; a pair in
+    flight that does not fit is skipped and says so.
 """
 
 from __future__ import annotations
@@ -462,6 +464,14 @@ def remote_worker(methods: list[str], nbytes: int, repeats: int, workdir: str,
             for m in methods:
                 if m == "torch.save+put":
                     continue
+                # free memory the pair needs beyond what is resident: DCP stages each save in
+                # fresh memory (two copies in flight), the Checkpointer reuses its pool; the
+                # server's completion joins and copies one upload (two copies)
+                need = (2 + (0 if m == "shardloader" else 2)) * size
+                if available_bytes() < need:
+                    nxt[cap, m] = {"next_skipped": f"needs {need / 2**30:.1f} GiB free, "
+                                                   f"{available_bytes() / 2**30:.1f} GiB were"}
+                    continue
                 save = savers[cap, m]
                 t0 = time.perf_counter()
                 save(repeats + 1)
@@ -583,6 +593,27 @@ def make_remote_saver(method: str, state: dict, endpoint, prefix: str, workdir: 
     raise ValueError(method)
 
 
+def remote_memory(methods: list[str], caps: int, nbytes: int) -> int:
+    """Memory one remote worker and the server need at most, in bytes, for `methods` behind
+    `caps` caps: the state, one staging pool per Checkpointer (one per cap), two staged copies
+    per DCP saver (the pair in flight), and the server's completion of a multipart upload
+    (moto joins the parts, then copies them: two copies of the checkpoint)."""
+    copies = 1 + 2
+    copies += caps if "shardloader" in methods else 0
+    copies += 2 if "dcp.async_save" in methods else 0
+    return copies * nbytes
+
+
+def remote_groups(caps: str, methods: list[str], nbytes: int) -> list[tuple[str, list[str]]]:
+    """The (caps, methods) of each worker process: one worker for all, interleaved, where they
+    fit in memory (0.8 of what is available), else one worker per cap and method, in turn (the
+    4 GiB state on a 24 GiB machine)."""
+    n = len(caps.split(","))
+    if remote_memory(methods, n, nbytes) <= 0.8 * available_bytes():
+        return [(caps, methods)]
+    return [(cap, [m]) for cap in caps.split(",") for m in methods]
+
+
 def remote_main(args) -> None:
     methods = args.methods.split(",") if args.methods else REMOTE_METHODS
     repeats = args.repeats if args.repeats is not None else 3
@@ -593,18 +624,21 @@ def remote_main(args) -> None:
     try:
         for size_text in (args.sizes or "256M").split(","):
             nbytes = parse_size(size_text)
-            workdir = os.path.join(base, "work")
-            os.makedirs(workdir, exist_ok=True)
-            proc = subprocess.run(
-                [sys.executable, __file__, "--repeats", str(repeats), "--caps", args.caps,
-                 "--worker", "remote", ",".join(methods), str(nbytes), workdir],
-                stdout=subprocess.PIPE, text=True, env=env)
-            shutil.rmtree(workdir, ignore_errors=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"remote {size_text}: failed ({proc.returncode})")
-            for row in json.loads(proc.stdout.strip().splitlines()[-1]):
-                row["size"] = size_text
-                rows.append(row)
+            for caps, group in remote_groups(args.caps, methods, nbytes):
+                workdir = os.path.join(base, "work")
+                os.makedirs(workdir, exist_ok=True)
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--repeats", str(repeats), "--caps", caps,
+                     "--worker", "remote", ",".join(group), str(nbytes), workdir],
+                    stdout=subprocess.PIPE, text=True, env=env)
+                shutil.rmtree(workdir, ignore_errors=True)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"remote {size_text} {caps} {group}: failed "
+                                       f"({proc.returncode})")
+                for row in json.loads(proc.stdout.strip().splitlines()[-1]):
+                    row["size"] = size_text
+                    row["interleaved"] = len(group) > 1
+                    rows.append(row)
     finally:
         if args.dir is None:
             shutil.rmtree(base, ignore_errors=True)
@@ -616,9 +650,11 @@ def remote_main(args) -> None:
 
 def print_remote_table(rows: list[dict]) -> None:
     n = rows[0]["repeats"] if rows else "?"
+    together = ("interleaved in one process" if all(r.get("interleaved", True) for r in rows)
+                else "interleaved in one process where they fit in memory, else one process each")
     print(f"\ncheckpoint to s3:// (moto on 127.0.0.1) behind an upload cap (the tests' FaultProxy, "
           f"upload_bandwidth), CPU; medians of {n} saves per method after a cold one, methods and "
-          "caps interleaved in one process.\nblocking: save() until it returns; complete: until "
+          f"caps {together}.\nblocking: save() until it returns; complete: until "
           "the checkpoint is whole at the destination (training steps meanwhile); MB/s: bytes / "
           "complete; steps: training steps made between the two; kept: those steps over what "
           "the loop makes alone in that time; vs torch.save+put: its median over this method's.")
@@ -644,6 +680,9 @@ def print_remote_table(rows: list[dict]) -> None:
                       f"{ref['bytes'] / cap:.2f}s; training alone "
                       f"{ref['steps_per_s_alone']:.0f} steps/s")
             for m, r in group.items():
+                if "next_skipped" in r:
+                    print(f"{'':>5} {'':>8} next save while one is in flight, {m}: not run "
+                          f"({r['next_skipped']})")
                 if "next_blocking_s" in r:
                     busy = (f", of which waiting for the one in flight {r['next_busy_wait_s']:.2f}s"
                             if "next_busy_wait_s" in r else "")
