@@ -126,10 +126,11 @@ def _collect_request_cycles(every: float = 0.25) -> None:
     body is freed only when the collector next runs, and its runs are triggered by counts of
     objects, not bytes. An upload of large parts allocates few objects: uploading 64 MiB parts,
     the server's anonymous memory grew by 64 MiB per part (strace: one 64 MiB mapping per part
-    never unmapped) and a 4 GiB checkpoint's upload reached 15.4 GB before the OOM killer
-    stopped the server (results.md, stop 34). `gc.freeze()` first moves what the server holds
-    after start-up into the permanent generation, so each run looks only at what came since
-    (25 us idle, against 150 ms for a full collection of moto's ~110k objects)."""
+    never unmapped), and stayed flat with this (results.md, stop 35; what moto holds while it
+    completes an upload is another matter: `checkpoint.SERVER_COPIES`). `gc.freeze()` first
+    moves what the server holds after start-up into the permanent generation, so each run looks
+    only at what came since (25 us idle, against 150 ms for a full collection of moto's ~110k
+    objects)."""
     gc.freeze()
 
     def collect() -> None:
