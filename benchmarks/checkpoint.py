@@ -465,10 +465,13 @@ def remote_worker(methods: list[str], nbytes: int, repeats: int, workdir: str,
             for m in methods:
                 if m == "torch.save+put":
                     continue
-                # free memory the pair needs beyond what is resident: DCP stages each save in
-                # fresh memory (two copies in flight), the Checkpointer reuses its pool; and the
-                # server completing one upload
-                need = (SERVER_COPIES + (0 if m == "shardloader" else 2)) * size
+                # free memory the pair needs beyond what is resident. The Checkpointer reuses
+                # its pool and keeps one save in flight: the server completes one upload at a
+                # time. DCP stages each save in fresh memory and uploads both at once, and the
+                # server may complete both together (2 GiB: the server was OOM-killed at 13 GB
+                # there, stop 35)
+                need = ((SERVER_COPIES if m == "shardloader" else 2 * SERVER_COPIES + 2)
+                        * size)
                 if available_bytes() < need:
                     nxt[cap, m] = {"next_skipped": f"needs {need / 2**30:.1f} GiB free, "
                                                    f"{available_bytes() / 2**30:.1f} GiB were"}
