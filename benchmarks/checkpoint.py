@@ -472,9 +472,10 @@ def remote_worker(methods: list[str], nbytes: int, repeats: int, workdir: str,
                 # there, stop 35)
                 need = ((SERVER_COPIES if m == "shardloader" else 2 * SERVER_COPIES + 2)
                         * size)
-                if available_bytes() < need:
+                free = available_bytes()
+                if free < need:
                     nxt[cap, m] = {"next_skipped": f"needs {need / 2**30:.1f} GiB free, "
-                                                   f"{available_bytes() / 2**30:.1f} GiB were"}
+                                                   f"{free / 2**30:.1f} GiB were"}
                     continue
                 save = savers[cap, m]
                 t0 = time.perf_counter()
@@ -620,7 +621,8 @@ def remote_groups(caps: str, methods: list[str], nbytes: int) -> list[tuple[str,
     Exits, saying why, where one method alone does not fit: an OOM kill minutes into the run
     is the alternative (the 4 GiB state on a 24 GiB machine)."""
     available = 0.9 * available_bytes()
-    if remote_memory(methods, len(caps.split(",")), nbytes) <= available:
+    each_cap = caps.split(",")
+    if remote_memory(methods, len(each_cap), nbytes) <= available:
         return [(caps, methods)]
     for m in methods:
         need = remote_memory([m], 1, nbytes)
@@ -630,7 +632,7 @@ def remote_groups(caps: str, methods: list[str], nbytes: int) -> list[tuple[str,
                 f"{need / 2**30:.1f} GiB (the state, its staging, and moto's completion of the "
                 f"upload: {SERVER_COPIES}x the checkpoint in the server), and "
                 f"{available / 2**30:.1f} GiB are available: not run")
-    return [(cap, [m]) for cap in caps.split(",") for m in methods]
+    return [(cap, [m]) for cap in each_cap for m in methods]
 
 
 def remote_main(args) -> None:
