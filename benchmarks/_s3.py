@@ -23,12 +23,16 @@ it, and `die_with_parent` covers a SIGKILL).
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +108,7 @@ def _serve(parent: int, layouts: dict[str, str], upload_caps: list[float]) -> No
     die_with_parent(parent)
     from tests.fixtures.servers import FaultProxy, S3Server
 
+    _complete_uploads_on_disk()
     server = S3Server().start()
     server.create_bucket(BUCKET)
     for name, folder in layouts.items():
@@ -127,7 +132,7 @@ def _collect_request_cycles(every: float = 0.25) -> None:
     objects, not bytes. An upload of large parts allocates few objects: uploading 64 MiB parts,
     the server's anonymous memory grew by 64 MiB per part (strace: one 64 MiB mapping per part
     never unmapped), and stayed flat with this (results.md, stop 35; what moto holds while it
-    completes an upload is another matter: `checkpoint.SERVER_COPIES`). `gc.freeze()` first
+    completes an upload is another matter: `_complete_uploads_on_disk`). `gc.freeze()` first
     moves what the server holds after start-up into the permanent generation, so each run looks
     only at what came since (25 us idle, against 150 ms for a full collection of moto's ~110k
     objects)."""
@@ -139,6 +144,110 @@ def _collect_request_cycles(every: float = 0.25) -> None:
             gc.collect()
 
     threading.Thread(target=collect, name="s3-request-cycles", daemon=True).start()
+
+
+class _Joined:
+    """A completed multipart upload's bytes in a file of their own: what
+    `_complete_uploads_on_disk` hands moto's new key instead of the joined bytes."""
+
+    def __init__(self, file: Any, size: int) -> None:
+        self.file, self.size = file, size
+
+
+def _complete_uploads_on_disk() -> None:
+    """Make moto complete a multipart upload by copying its parts' files into one file, which
+    becomes the new object's, instead of joining them in memory (in this, the benchmarks'
+    server process only).
+
+    Why: moto keeps each part (and each object over 5 MiB) in a temporary file, but completes
+    an upload in memory: it reads every part back into one buffer, copies that buffer into a
+    second for the default full-object checksum, and makes bytes of the first for the new key.
+    A 1 GiB upload peaked at 4.5 GB of anonymous memory in the server (results.md, stop 35),
+    so a 4 GiB checkpoint could not be measured beside its own state on a 24 GiB machine.
+    Here the parts are checked as moto checks them (each named part exists with its ETag, all
+    but the last at least the minimum size, at least one), the ETag is moto's (the MD5 of the
+    parts' MD5s, "-" and their count), and the bytes go part by part, 16 MiB at a time, from
+    file to file. A checksum the client asked for per part (COMPOSITE) is built from one part
+    at a time; a full-object checksum the client asked for takes moto's own path. Where the
+    client asked for none, the object gets none (moto would add a CRC64NVME of its own)."""
+    from moto.s3 import models
+    from moto.s3.exceptions import EntityTooSmall, InvalidPart, MalformedXML
+    from moto.settings import S3_UPLOAD_PART_MIN_SIZE
+
+    joined_complete = models.FakeMultipart.complete
+    value = models.FakeKey.value
+
+    def complete(self: Any, body: Any) -> tuple[Any, str, Any]:
+        algorithm = self.metadata.get("x-amz-checksum-algorithm")
+        checksums = (models.MultipartChecksumBuilder(algorithm, self.metadata.get("x-amz-checksum-type"))
+                     if algorithm else None)
+        if checksums is not None and checksums.checksum_type != "COMPOSITE":
+            return joined_complete(self, body)
+        parts: list[Any] = []
+        md5s = bytearray()
+        for number, etag in body:
+            part = self.parts.get(number)
+            if part is None or part.etag.replace('"', "") != etag.replace('"', ""):
+                raise InvalidPart()
+            if parts and parts[-1].contentsize < S3_UPLOAD_PART_MIN_SIZE:
+                raise EntityTooSmall()
+            md5s.extend(bytes.fromhex(part.etag.replace('"', "")))
+            parts.append(part)
+        if not parts:
+            raise MalformedXML
+        joined = tempfile.TemporaryFile()
+        for part in parts:  # before moto deletes the upload, which closes the parts' files
+            if checksums is not None:
+                checksums.addPart(part.value)
+            with part.lock:
+                part._value_buffer.seek(0)
+                shutil.copyfileobj(part._value_buffer, joined, 16 << 20)
+        etag = f"{hashlib.md5(bytes(md5s)).hexdigest()}-{len(parts)}"
+        size = sum(part.contentsize for part in parts)
+        return _Joined(joined, size), etag, checksums.build() if checksums is not None else None
+
+    def set_value(self: Any, new_value: Any) -> None:
+        if not isinstance(new_value, _Joined):
+            value.fset(self, new_value)
+            return
+        self._value_buffer.close()
+        self._value_buffer = new_value.file
+        self.contentsize = new_value.size
+
+    models.FakeMultipart.complete = complete
+    models.FakeKey.value = property(value.fget, set_value)
+    models.S3Backend.complete_multipart_upload = _once_per_upload(models.S3Backend.complete_multipart_upload)
+
+
+def _once_per_upload(complete_upload: Any) -> Any:
+    """`S3Backend.complete_multipart_upload`, answering a repeated request for one upload as S3
+    does: with the object its first request made, after that request finished.
+
+    Why: a client whose completion request times out sends it again (at 2 GiB in stop 35, one
+    was sent twice and answered with a KeyError). moto answers a repeat that comes after the
+    first has finished (the object's upload id matches), but one that comes while the first
+    is still completing runs the completion again, and fails (a KeyError, a 500) when the
+    first removes the upload. Here each upload's requests take turns, and a later one gets the
+    first one's object. (Weak references: an object a later save replaced is not kept alive
+    by this.)"""
+    guard = threading.Lock()
+    turns: dict[str, threading.Lock] = {}
+    made: weakref.WeakValueDictionary[str, Any] = weakref.WeakValueDictionary()
+
+    def complete_once(self: Any, bucket_name: str, multipart_id: str, body: Any) -> Any:
+        with guard:
+            turn = turns.setdefault(multipart_id, threading.Lock())
+        with turn:
+            key = made.get(multipart_id)
+            if key is None:
+                key = complete_upload(self, bucket_name, multipart_id, body)
+                if key is not None:
+                    made[multipart_id] = key
+        with guard:
+            turns.pop(multipart_id, None)
+        return key
+
+    return complete_once
 
 
 def _report_repeats(cap: float, log: list) -> None:

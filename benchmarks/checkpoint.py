@@ -46,8 +46,9 @@ loopback's real rate under the cap, next to the cap's own time.
     .venv/bin/python benchmarks/checkpoint.py --remote --sizes 1G,4G --caps 100M,25M  # full
     Where all methods and caps do not fit in memory together (`remote_memory`), each cap and
     method runs in a worker of its own, in turn; a pair in flight that does not fit is skipped
-    and says so; a size that does not fit even so is refused before it starts (the 4 GiB state
-    on a 24 GiB machine: moto's server holds ~4.5x an upload while completing it).
+    and says so; a size that does not fit even so is refused before it starts. The server
+    completes uploads from its parts' files (`benchmarks._s3`): moto's own completion held
+    ~4.5x the object in memory, so a 4 GiB state did not fit beside it on a 24 GiB machine.
 """
 
 from __future__ import annotations
@@ -466,12 +467,10 @@ def remote_worker(methods: list[str], nbytes: int, repeats: int, workdir: str,
                 if m == "torch.save+put":
                     continue
                 # free memory the pair needs beyond what is resident. The Checkpointer reuses
-                # its pool and keeps one save in flight: the server completes one upload at a
-                # time. DCP stages each save in fresh memory and uploads both at once, and the
-                # server may complete both together (2 GiB: the server was OOM-killed at 13 GB
-                # there, stop 35)
-                need = ((SERVER_COPIES if m == "shardloader" else 2 * SERVER_COPIES + 2)
-                        * size)
+                # its pool and keeps one save in flight: the server receives one upload at a
+                # time. DCP stages each save in fresh memory and uploads both at once (before
+                # the server completed uploads on disk, 2 GiB OOM-killed it here, stop 35)
+                need = (SERVER_BYTES if m == "shardloader" else 2 * SERVER_BYTES + 2 * size)
                 free = available_bytes()
                 if free < need:
                     nxt[cap, m] = {"next_skipped": f"needs {need / 2**30:.1f} GiB free, "
@@ -598,21 +597,23 @@ def make_remote_saver(method: str, state: dict, endpoint, prefix: str, workdir: 
     raise ValueError(method)
 
 
-#: Copies of an upload that moto's server holds at the peak of completing it: it reads the
-#: parts back, joins them, copies the joined bytes and reads them again to answer (a 1 GiB
-#: `put_file` through the proxy: 4.5 GB of anonymous memory in the server, climbing through
-#: the 10 s of the completion; results.md, stop 35).
-SERVER_COPIES = 4.5
+#: Memory moto's server holds for one upload in flight, whatever its size: the parts being
+#: received (the client sends several at once) and their request bodies until the collector
+#: frees them (`benchmarks._s3`). It completes an upload from its parts' files, on disk
+#: (`_s3._complete_uploads_on_disk`); moto's own completion held ~4.5x the object. Measured
+#: (anonymous memory, sampled every 0.5 s): a 1 GiB `put_file`, 4.5 GB before and 0.9 GB with
+#: it; the 4 GiB Checkpointer saves, 1.7 GB (results.md, stop 36).
+SERVER_BYTES = 2 * 2**30
 
 
 def remote_memory(methods: list[str], caps: int, nbytes: int) -> float:
     """Memory one remote worker and the server need at most, in bytes, for `methods` behind
     `caps` caps: the state, one staging pool per Checkpointer (one per cap), two staged copies
-    per DCP saver (the pair in flight), and the server completing one upload."""
-    copies = 1 + SERVER_COPIES
+    per DCP saver (the pair in flight), and the server receiving two uploads at once."""
+    copies = 1
     copies += caps if "shardloader" in methods else 0
     copies += 2 if "dcp.async_save" in methods else 0
-    return copies * nbytes
+    return copies * nbytes + 2 * SERVER_BYTES
 
 
 def remote_groups(caps: str, methods: list[str], nbytes: int) -> list[tuple[str, list[str]]]:
@@ -629,8 +630,8 @@ def remote_groups(caps: str, methods: list[str], nbytes: int) -> list[tuple[str,
         if need > available:
             raise SystemExit(
                 f"checkpoint --remote: a {nbytes / 2**30:.1f} GiB state with {m} needs about "
-                f"{need / 2**30:.1f} GiB (the state, its staging, and moto's completion of the "
-                f"upload: {SERVER_COPIES}x the checkpoint in the server), and "
+                f"{need / 2**30:.1f} GiB (the state, its staging, and the S3 server's "
+                f"{2 * SERVER_BYTES / 2**30:.1f} GiB for two uploads in flight), and "
                 f"{available / 2**30:.1f} GiB are available: not run")
     return [(cap, [m]) for cap in each_cap for m in methods]
 

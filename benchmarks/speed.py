@@ -70,6 +70,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -378,6 +379,7 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     it = iter(loader)
     batch = next(it)
     out: dict[str, Any] = {"ttfb": time.perf_counter() - start}
+    print(FIRST_BATCH_MARK, file=sys.stderr, flush=True)  # the parent's memory sampling starts now
     if spec.get("epochs"):
         for _ in it:  # the rest of the first epoch
             pass
@@ -391,24 +393,57 @@ def child_main(spec: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: The line a child writes to stderr once its first batch is out (see `run_child`).
+FIRST_BATCH_MARK = "@first-batch"
+
+
 def run_child(spec: dict[str, Any], env: dict[str, str] | None = None, timeout: float = 600,
               memory: bool = False) -> dict[str, Any]:
-    """`child_main(spec)` in a fresh interpreter; with `memory`, its tree's peak RSS/PSS."""
+    """`child_main(spec)` in a fresh interpreter; with `memory`, its tree's peak RSS/PSS.
+
+    The memory sampling starts once the child's first batch is out (`FIRST_BATCH_MARK`), as in
+    `benchmarks.memory`: reading a process's smaps_rollup takes its mmap lock, and sampling
+    the tree every 20 ms through the start slowed its forks and page faults, so the first batch
+    timed in the same run came out slower than without the sampler (see results.md, stop 36).
+    The peaks come later, while the workers read."""
     spec = {**spec, "parent": os.getpid()}
     full_env = {**os.environ, **(env or {}), "PYTHONPATH": os.pathsep.join(
         p for p in (os.environ.get("PYTHONPATH", ""), ROOT) if p)}
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.speed", "--child", json.dumps(spec)],
                             cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    sampler = PeakMemory(proc.pid).start() if memory else None
+    err_lines: list[str] = []
+    first_out = threading.Event()
+
+    def read_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            err_lines.append(line)
+            if line.startswith(FIRST_BATCH_MARK):
+                first_out.set()
+        first_out.set()  # exited (or failed) before its first batch
+
+    reader = threading.Thread(target=read_stderr, name="child-stderr", daemon=True)
+    reader.start()
+    deadline = time.monotonic() + timeout
+    sampler = None
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise RuntimeError(f"timed out after {timeout:.0f} s") from None
+        if memory and first_out.wait(timeout) and proc.poll() is None:
+            sampler = PeakMemory(proc.pid).start()
+        assert proc.stdout is not None
+        stdout_text: list[str] = []
+        pump = threading.Thread(target=lambda: stdout_text.append(proc.stdout.read()), daemon=True)
+        pump.start()
+        pump.join(max(0.0, deadline - time.monotonic()))
+        if pump.is_alive():
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"timed out after {timeout:.0f} s")
+        proc.wait()
     finally:
         peak = sampler.stop() if sampler else None
+    reader.join(10)
+    stdout, stderr = "".join(stdout_text), "".join(err_lines)
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(_last_error(stderr) or f"exit {proc.returncode}")
