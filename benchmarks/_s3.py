@@ -237,23 +237,25 @@ def _once_per_upload(complete_upload: Any) -> Any:
     def complete_once(self: Any, bucket_name: str, multipart_id: str, body: Any) -> Any:
         with guard:
             turn = turns.setdefault(multipart_id, threading.Lock())
-        with turn:
-            key = made.get(multipart_id)
-            if key is None:
-                key = complete_upload(self, bucket_name, multipart_id, body)
-                if key is not None:
-                    made[multipart_id] = key
-        with guard:
-            turns.pop(multipart_id, None)
-        return key
+        try:
+            with turn:
+                key = made.get(multipart_id)
+                if key is None:
+                    key = complete_upload(self, bucket_name, multipart_id, body)
+                    if key is not None:
+                        made[multipart_id] = key
+            return key
+        finally:
+            with guard:
+                turns.pop(multipart_id, None)
 
     return complete_once
 
 
 def _report_repeats(cap: float, log: list) -> None:
     """Say on stderr which multipart completions a client sent more than once through the
-    proxy (a retry after a lost or slow answer: the server answers the repeat with an error,
-    the upload being complete), and the slowest request: evidence for a benchmark's reader."""
+    proxy (a retry after a lost or slow answer: the server answers it with the first one's
+    object, `_once_per_upload`), and the slowest request: evidence for a benchmark's reader."""
     completes: dict[str, list] = {}
     for entry in log:
         if entry.method == "POST" and "uploadId=" in entry.path:
