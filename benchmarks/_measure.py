@@ -10,12 +10,15 @@ table does.
 `PeakMemory` polls from a thread of the *measuring* process, so the measured tree carries no
 sampler of its own. Polling every `interval` seconds can miss a spike shorter than that; the
 loaders' memory grows with imports, worker start-up and in-flight batches, which last far
-longer than the default 20 ms.
+longer than the default 20 ms. It should start once the measured process's start is over:
+reading smaps_rollup takes the target's mmap lock, and sampling through a start slows its forks
+and page faults (`StderrMark` tells when a child says its start is over).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from benchmarks._common import tree_pids
@@ -108,3 +111,31 @@ class PeakMemory:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class StderrMark:
+    """A child process's stderr, read on a thread of this process: its lines are kept (for an
+    error message), and `reached` is set once a line starts with `mark` (or the stream ends).
+
+    This is how a benchmark learns that a child's first batch is out without polling the
+    child, so that `PeakMemory` can start then."""
+
+    def __init__(self, stream: Iterable[str], mark: str) -> None:
+        self.lines: list[str] = []
+        self.reached = threading.Event()
+        self._mark = mark
+        self._thread = threading.Thread(target=self._read, args=(stream,), name="child-stderr",
+                                        daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: Iterable[str]) -> None:
+        for line in stream:
+            self.lines.append(line)
+            if line.startswith(self._mark):
+                self.reached.set()
+        self.reached.set()  # the child closed it: it exited, or failed before the mark
+
+    def text(self, timeout: float = 10.0) -> str:
+        """All of it, once the stream has ended (what came, if it has not within `timeout`)."""
+        self._thread.join(timeout)
+        return "".join(self.lines)

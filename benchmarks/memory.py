@@ -75,14 +75,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks._common import load_average, machine, table, tree_pids
-from benchmarks._measure import smaps_rollup
+from benchmarks._measure import StderrMark, smaps_rollup
 
 LOADERS = ("shardloader", "dataloader")
 #: The loaders of `--remote` (reading S3); each has a layout on the server (see `_layouts`).
@@ -267,23 +266,12 @@ def _sample(which: str, cmd: list[str], env: dict[str, str], interval: float,
     # Sampling starts only then: reading smaps_rollup takes the target's mmap lock, and at 50 Hz
     # over three processes it slowed the forks and library loads of the start (first batch
     # 0.26-0.53 s sampled, ~0.17 s not). The run's peaks come later, as the workers read.
-    err_lines: list[str] = []
-    first_out = threading.Event()
-
-    def read_stderr() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            err_lines.append(line)
-            if line.startswith("@phase first"):
-                first_out.set()
-        first_out.set()
-
-    reader = threading.Thread(target=read_stderr, daemon=True)
-    reader.start()
+    assert proc.stderr is not None
+    marks = StderrMark(proc.stderr, "@phase first")
     roles: dict[int, ProcessPeak] = {}
     peak_rss = peak_pss = peak_shmem = 0
     samples = 0
-    first_out.wait()
+    marks.reached.wait()
     while proc.poll() is None:
         total_rss = total_pss = 0
         tree = [(proc.pid, "main")] + [(c, "") for c in tree_pids(proc.pid)[1:]]
@@ -309,8 +297,7 @@ def _sample(which: str, cmd: list[str], env: dict[str, str], interval: float,
     assert proc.stdout is not None
     out = proc.stdout.read()
     proc.wait()
-    reader.join(10)
-    err = "".join(err_lines)
+    err = marks.text()
     if proc.returncode != 0:
         raise RuntimeError(f"{which} run failed (exit {proc.returncode}):\n{err[-3000:]}")
     figures = json.loads(out.strip().splitlines()[-1])

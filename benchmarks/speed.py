@@ -80,7 +80,7 @@ from typing import Any
 from benchmarks import peers
 from benchmarks._common import cpu_used, emit, load_average, machine, table, tree_cpu_seconds
 from benchmarks._images import ImageSet, describe, prepare_images
-from benchmarks._measure import PeakMemory
+from benchmarks._measure import PeakMemory, StderrMark
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS = "shardloader"
@@ -412,23 +412,12 @@ def run_child(spec: dict[str, Any], env: dict[str, str] | None = None, timeout: 
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.speed", "--child", json.dumps(spec)],
                             cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    err_lines: list[str] = []
-    first_out = threading.Event()
-
-    def read_stderr() -> None:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            err_lines.append(line)
-            if line.startswith(FIRST_BATCH_MARK):
-                first_out.set()
-        first_out.set()  # exited (or failed) before its first batch
-
-    reader = threading.Thread(target=read_stderr, name="child-stderr", daemon=True)
-    reader.start()
+    assert proc.stderr is not None
+    marks = StderrMark(proc.stderr, FIRST_BATCH_MARK)
     deadline = time.monotonic() + timeout
     sampler = None
     try:
-        if memory and first_out.wait(timeout) and proc.poll() is None:
+        if memory and marks.reached.wait(timeout) and proc.poll() is None:
             sampler = PeakMemory(proc.pid).start()
         assert proc.stdout is not None
         stdout_text: list[str] = []
@@ -442,8 +431,7 @@ def run_child(spec: dict[str, Any], env: dict[str, str] | None = None, timeout: 
         proc.wait()
     finally:
         peak = sampler.stop() if sampler else None
-    reader.join(10)
-    stdout, stderr = "".join(stdout_text), "".join(err_lines)
+    stdout, stderr = "".join(stdout_text), marks.text()
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(_last_error(stderr) or f"exit {proc.returncode}")

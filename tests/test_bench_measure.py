@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from benchmarks._common import tree_pids
-from benchmarks._measure import PeakMemory, process_memory, tree_memory
+from benchmarks._measure import PeakMemory, StderrMark, process_memory, tree_memory
 
 MiB = 1 << 20
 
@@ -85,3 +85,36 @@ def test_a_process_that_is_gone_counts_nothing():
     proc.wait(30)
     assert process_memory(proc.pid) == {"rss": 0, "pss": 0, "pss_anon": 0}
     assert tree_memory(proc.pid)["rss"] == 0
+
+
+# Writes "before" and then `sys.argv[1]` (if any) to stderr, waits until stdin closes, then
+# writes "after" and exits.
+MARKER = textwrap.dedent("""
+    import sys
+    print("before", file=sys.stderr, flush=True)
+    if sys.argv[1]:
+        print(sys.argv[1], "and more", file=sys.stderr, flush=True)
+    sys.stdin.read()
+    print("after", file=sys.stderr, flush=True)
+""")
+
+
+def test_the_stderr_mark_is_seen_while_the_child_still_runs_and_every_line_is_kept():
+    proc = subprocess.Popen([sys.executable, "-c", MARKER, "@first-batch"], stdin=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    marks = StderrMark(proc.stderr, "@first-batch")
+    assert marks.reached.wait(30)
+    assert proc.poll() is None  # the mark, not the end of the stream: the child waits for stdin
+    proc.stdin.close()
+    proc.wait(30)
+    assert marks.text() == "before\n@first-batch and more\nafter\n"
+
+
+def test_a_child_that_never_writes_the_mark_sets_it_when_its_stderr_ends():
+    proc = subprocess.Popen([sys.executable, "-c", MARKER, ""], stdin=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    marks = StderrMark(proc.stderr, "@first-batch")
+    proc.stdin.close()
+    assert marks.reached.wait(30)
+    proc.wait(30)
+    assert marks.text() == "before\nafter\n"
