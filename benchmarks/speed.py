@@ -414,24 +414,27 @@ def run_child(spec: dict[str, Any], env: dict[str, str] | None = None, timeout: 
                             stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     marks = StderrMark(proc.stderr, FIRST_BATCH_MARK)
-    deadline = time.monotonic() + timeout
+    timed_out = threading.Event()
+
+    def kill() -> None:  # a child past its time: killing it closes its pipes, ending the reads
+        timed_out.set()
+        proc.kill()
+
+    killer = threading.Timer(timeout, kill)
+    killer.start()
     sampler = None
     try:
         if memory and marks.reached.wait(timeout) and proc.poll() is None:
             sampler = PeakMemory(proc.pid).start()
         assert proc.stdout is not None
-        stdout_text: list[str] = []
-        pump = threading.Thread(target=lambda: stdout_text.append(proc.stdout.read()), daemon=True)
-        pump.start()
-        pump.join(max(0.0, deadline - time.monotonic()))
-        if pump.is_alive():
-            proc.kill()
-            proc.wait()
-            raise RuntimeError(f"timed out after {timeout:.0f} s")
+        stdout = proc.stdout.read()
         proc.wait()
     finally:
+        killer.cancel()
         peak = sampler.stop() if sampler else None
-    stdout, stderr = "".join(stdout_text), marks.text()
+    if timed_out.is_set():
+        raise RuntimeError(f"timed out after {timeout:.0f} s")
+    stderr = marks.text()
     lines = [line for line in stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(_last_error(stderr) or f"exit {proc.returncode}")
