@@ -187,11 +187,12 @@ def _complete_uploads_on_disk() -> None:
         md5s = bytearray()
         for number, etag in body:
             part = self.parts.get(number)
-            if part is None or part.etag.replace('"', "") != etag.replace('"', ""):
+            digest = part.etag.replace('"', "") if part is not None else None
+            if digest is None or digest != etag.replace('"', ""):
                 raise InvalidPart()
             if parts and parts[-1].contentsize < S3_UPLOAD_PART_MIN_SIZE:
                 raise EntityTooSmall()
-            md5s.extend(bytes.fromhex(part.etag.replace('"', "")))
+            md5s.extend(bytes.fromhex(digest))
             parts.append(part)
         if not parts:
             raise MalformedXML

@@ -12,7 +12,7 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 
-from benchmarks._s3 import BUCKET, S3Process
+from benchmarks._s3 import BUCKET, S3Process, _once_per_upload
 
 MiB = 1 << 20
 
@@ -53,7 +53,7 @@ def test_a_completed_upload_holds_the_parts_bytes_in_order_with_s3s_etag(client)
     assert tail == b"".join(parts)[11 * MiB - 3:]
 
 
-def test_two_completions_of_one_upload_at_once_both_get_the_one_object(client):
+def test_two_completions_of_one_upload_sent_together_both_get_the_one_object(client):
     parts = [os.urandom(1 << 20) * 40, os.urandom(3 * MiB)]  # a large part: the copy takes a while
     upload, done = _upload_parts(client, "twice.bin", parts)
     answers: list[object] = [None, None]
@@ -86,3 +86,49 @@ def test_a_part_with_a_wrong_etag_or_too_small_before_the_last_is_refused(client
     with pytest.raises(ClientError, match="EntityTooSmall"):
         client.complete_multipart_upload(Bucket=BUCKET, Key="small.bin", UploadId=upload,
                                          MultipartUpload={"Parts": done})
+
+
+class _Key:
+    """Stands for moto's object (a weak reference can hold it, as it holds a FakeKey)."""
+
+
+def test_a_repeat_that_comes_while_the_first_completes_gets_its_object_without_completing_again():
+    # The end-to-end test above cannot make two requests overlap on demand; this one can.
+    entered, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+    key = _Key()
+
+    def complete_upload(backend, bucket, upload, body):
+        calls.append(upload)
+        entered.set()
+        assert release.wait(30)
+        return key
+
+    complete = _once_per_upload(complete_upload)
+    got: list[object] = [None, None]
+    first = threading.Thread(target=lambda: got.__setitem__(0, complete(None, BUCKET, "u1", [])))
+    first.start()
+    assert entered.wait(30)  # the first is inside its completion
+    second = threading.Thread(target=lambda: got.__setitem__(1, complete(None, BUCKET, "u1", [])))
+    second.start()
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert got == [key, key] and calls == ["u1"]
+
+
+def test_a_failed_completion_leaves_the_next_request_to_complete_the_upload():
+    calls: list[str] = []
+    key = _Key()
+
+    def complete_upload(backend, bucket, upload, body):
+        calls.append(upload)
+        if len(calls) == 1:
+            raise RuntimeError("the first attempt failed")
+        return key
+
+    complete = _once_per_upload(complete_upload)
+    with pytest.raises(RuntimeError, match="first attempt"):
+        complete(None, BUCKET, "u2", [])
+    assert complete(None, BUCKET, "u2", []) is key
+    assert calls == ["u2", "u2"]
