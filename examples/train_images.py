@@ -30,6 +30,12 @@ from shardloader.checkpoint import Checkpointer
 from shardloader.transforms import Compose, DecodeCropFlip, ToTensor, transform_version
 
 
+def announce(line: str) -> None:
+    """Print `line` in one write: under torchrun the ranks share stdout, and print()'s separate
+    write of the newline (with PYTHONUNBUFFERED set) lets another rank's line land between them."""
+    print(line + "\n", end="", flush=True)
+
+
 class Block(nn.Module):
     """A residual block: two 3x3 convolutions with batch norm, optional downsampling."""
 
@@ -162,9 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
             if ckpt is not None and step % args.checkpoint_every == 0:
                 ckpt.save(step, model=model, optimizer=optimizer, loader=loader)
                 if args.announce:
-                    print(f"SAVE {step}", flush=True)
+                    announce(f"SAVE {step}")
             if args.announce:
-                print(f"STEP {step}", flush=True)
+                announce(f"STEP {step}")
             if step >= args.steps:
                 break
     elapsed = time.perf_counter() - start

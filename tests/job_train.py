@@ -101,7 +101,7 @@ def main() -> None:
             stuck.set()
             threading.Event().wait()  # this save never reaches its destination
         if phase == "upload" and step == args.hold_save:
-            print(f"held {step}", flush=True)
+            print(f"held {step}\n", end="", flush=True)
             with open(args.hold_until):  # a FIFO: opens once the test opens it for writing
                 pass
 
@@ -144,7 +144,7 @@ def main() -> None:
                 time.sleep(args.compute)
             step += 1
             computed += time.perf_counter() - t1
-            print(f"step {step}", flush=True)
+            print(f"step {step}\n", end="", flush=True)
             if step == args.kill_at:
                 ckpt.wait()  # the save before has committed: the kill falls between saves
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -160,7 +160,7 @@ def main() -> None:
     if args.measure:
         with open(args.measure, "w") as f:
             json.dump({"data_wait": waited, "first_wait": first_wait, "compute": computed}, f)
-    print("done", flush=True)
+    print("done\n", end="", flush=True)
 
 
 if __name__ == "__main__":
