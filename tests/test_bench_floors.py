@@ -13,21 +13,9 @@ from benchmarks import floors
 from shardloader import Dataset
 
 
-@pytest.fixture(scope="module")
-def jpeg_shards(tmp_path_factory):
-    from shardloader.ingest.writer import write_shards
-    from shardloader.synthetic import make_image_samples
-
-    out = tmp_path_factory.mktemp("floors")
-    samples = [{"image": s["image"], "label": s["label"]}
-               for s in make_image_samples(40, min_size=96, max_size=200, seed=8)]
-    write_shards(iter(samples), str(out), shard_samples=16)
-    return str(out)
-
-
-def test_the_fused_and_the_user_loop_write_the_same_rows(jpeg_shards):
+def test_the_fused_and_the_user_loop_write_the_same_rows(jpeg_dataset):
     """Else the floor would compare different work."""
-    dataset = Dataset(jpeg_shards)
+    dataset = Dataset(jpeg_dataset.path)
     samples = np.arange(12)
     size = floors.SIZE
     fused = np.zeros((12, 3, size, size), np.uint8)
@@ -39,8 +27,8 @@ def test_the_fused_and_the_user_loop_write_the_same_rows(jpeg_shards):
     assert len({fused[i].tobytes() for i in range(12)}) == 12  # real images, each its own
 
 
-def test_the_own_function_floor_times_every_way(jpeg_shards):
-    best = floors.own_function_floor(jpeg_shards, repeats=2)
+def test_the_own_function_floor_times_every_way(jpeg_dataset):
+    best = floors.own_function_floor(jpeg_dataset.path, repeats=2)
     assert list(best) == ["fused", "user's work", "Loader, README", "Loader, user's function"]
     assert all(0 < us < float("inf") for us in best.values())
 
@@ -52,12 +40,12 @@ def test_the_wake_up_cost_times_both_ways_and_leaves_no_waiter():
     assert multiprocessing.active_children() == []
 
 
-def test_ready_next_counts_the_batches_it_timed(jpeg_shards):
-    ready = floors.ready_next(jpeg_shards, step_ms=20.0, batches=6, batch_size=8)
+def test_ready_next_counts_the_batches_it_timed(jpeg_dataset):
+    ready = floors.ready_next(jpeg_dataset.path, step_ms=20.0, batches=6, batch_size=8)
     assert ready["of"] == 6 and 1 <= ready["ready"] <= 6
     assert ready["median_us"] > 0 and 0 < ready["floor"] < 1
 
 
-def test_ready_next_refuses_an_epoch_of_one_batch(jpeg_shards):
+def test_ready_next_refuses_an_epoch_of_one_batch(jpeg_dataset):
     with pytest.raises(ValueError, match="1 batch of 64"):
-        floors.ready_next(jpeg_shards, step_ms=1.0, batches=2)
+        floors.ready_next(jpeg_dataset.path, step_ms=1.0, batches=2)

@@ -107,19 +107,7 @@ def test_a_run_saved_before_per_epoch_limits_uses_the_limit_of_its_round():
 # -- the own-function rows (issue 24) ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def jpeg_shards(tmp_path_factory):
-    from shardloader.ingest.writer import write_shards
-    from shardloader.synthetic import make_image_samples
-
-    out = tmp_path_factory.mktemp("own-function")
-    samples = [{"image": s["image"], "label": s["label"]}
-               for s in make_image_samples(24, min_size=96, max_size=200, seed=5)]
-    write_shards(iter(samples), str(out), shard_samples=10)
-    return str(out), samples
-
-
-def test_the_own_function_gives_the_readme_pixels_for_the_same_generator_seed(jpeg_shards):
+def test_the_own_function_gives_the_readme_pixels_for_the_same_generator_seed(jpeg_dataset):
     """`peers.own_transform` is the README transform wrapped in user code: for the same
     generator seed, the same CHW uint8 bytes under another field name, and the label."""
     import torch
@@ -127,20 +115,20 @@ def test_the_own_function_gives_the_readme_pixels_for_the_same_generator_seed(jp
     from benchmarks.peers import SIZE, loader_transform, own_transform
 
     readme = loader_transform("readme")
-    for i, sample in enumerate(jpeg_shards[1]):
+    for i, sample in enumerate(jpeg_dataset.samples):
         want = readme(sample, generator=torch.Generator().manual_seed(1000 + i))["image"]
         got = own_transform(sample, generator=torch.Generator().manual_seed(1000 + i))
         assert set(got) == {"img", "label"} and got["label"] == sample["label"]
         assert got["img"].dtype == torch.uint8 and got["img"].shape == (3, SIZE, SIZE)
         assert torch.equal(got["img"], want)
     # the equality is not that of a constant: another seed is another crop
-    other = own_transform(jpeg_shards[1][0], generator=torch.Generator().manual_seed(7))["img"]
-    assert not torch.equal(other, readme(jpeg_shards[1][0],
+    other = own_transform(jpeg_dataset.samples[0], generator=torch.Generator().manual_seed(7))["img"]
+    assert not torch.equal(other, readme(jpeg_dataset.samples[0],
                                          generator=torch.Generator().manual_seed(1000))["image"])
 
 
 def test_the_loader_gives_the_same_batches_for_the_own_function_as_for_the_readme_transform(
-        jpeg_shards):
+        jpeg_dataset):
     """Through the Loader (its direct path for the README transform, its general path for the
     user's function): the same pixels, labels and samples, batch by batch, in two epochs."""
     import torch
@@ -149,7 +137,7 @@ def test_the_loader_gives_the_same_batches_for_the_own_function_as_for_the_readm
     from shardloader import Dataset, Loader
 
     def batches(transform, field):
-        loader = Loader(Dataset(jpeg_shards[0]), batch_size=8, num_workers=0, seed=11,
+        loader = Loader(Dataset(jpeg_dataset.path), batch_size=8, num_workers=0, seed=11,
                         transform=transform, shuffle=True, tail="partial")
         out = []
         for _ in range(2):
@@ -157,11 +145,11 @@ def test_the_loader_gives_the_same_batches_for_the_own_function_as_for_the_readm
         return out
 
     readme, own = batches(loader_transform("readme"), "image"), batches(own_transform, "img")
-    assert len(readme) == len(own) == 6
+    assert len(readme) == len(own) == 10  # 40 samples, 5 batches an epoch
     for (a_img, a_label, a_index), (b_img, b_label, b_index) in zip(readme, own):
         assert torch.equal(a_index, b_index) and torch.equal(a_label, b_label)
         assert torch.equal(a_img, b_img)
-    assert not torch.equal(readme[0][0], readme[3][0])  # epochs differ: the key has the epoch
+    assert not torch.equal(readme[0][0], readme[5][0])  # epochs differ: the key has the epoch
 
 
 def test_the_own_function_ratio_is_per_round_and_checks_the_goal():
