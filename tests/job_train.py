@@ -144,7 +144,7 @@ def main() -> None:
                 time.sleep(args.compute)
             step += 1
             computed += time.perf_counter() - t1
-            print(f"step {step}\n", end="", flush=True)
+            print(f"step {step}\n", end="", flush=True)  # one write: ranks share stdout
             if step == args.kill_at:
                 ckpt.wait()  # the save before has committed: the kill falls between saves
                 os.kill(os.getpid(), signal.SIGKILL)
