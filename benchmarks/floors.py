@@ -45,19 +45,13 @@ import torch
 
 from benchmarks._common import load_average, machine
 from benchmarks._images import prepare_images
+from benchmarks.peers import BATCH, SIZE, WORKERS, loader_transform, own_transform
 from shardloader import Dataset, Loader
 from shardloader.loader.batches import BatchProducer, BatchTask
-from shardloader.transforms import Compose, DecodeCropFlip, ToTensor
+from shardloader.transforms import DecodeCropFlip
 from shardloader.transforms.tensor import copy_into, hwc_to_chw
 
-SIZE, BATCH, WORKERS = 112, 64, 2
-_CROP, _TO_TENSOR = DecodeCropFlip(SIZE), ToTensor()
-
-
-def user_function(sample: dict[str, Any], generator: torch.Generator | None = None) -> dict[str, Any]:
-    """The user's own function of issue 24 (and `benchmarks.handoff`'s case b)."""
-    image = _TO_TENSOR(_CROP(sample, generator=generator))["image"]
-    return {"img": image, "label": sample["label"]}
+_CROP = DecodeCropFlip(SIZE)
 
 
 def fused_rows(dataset: Dataset, samples: np.ndarray, rows: np.ndarray, generator: torch.Generator,
@@ -71,12 +65,11 @@ def fused_rows(dataset: Dataset, samples: np.ndarray, rows: np.ndarray, generato
 
 
 def user_rows(dataset: Dataset, samples: np.ndarray, rows: np.ndarray, generator: torch.Generator) -> None:
-    """The user's function's own work and the one copy any collate makes: the same rows as
-    `fused_rows`, through `DecodeCropFlip` and `ToTensor` calls and a copy into `rows`."""
+    """The user's function's own work (`peers.own_transform`: `DecodeCropFlip` and `ToTensor`
+    calls, its dict) and the one copy any collate makes: the same rows as `fused_rows`."""
     for i, record in enumerate(dataset.get_many(samples)):
         generator.manual_seed(i)
-        tensor = _TO_TENSOR(_CROP(record, generator=generator))["image"]
-        copy_into(rows[i], tensor.numpy())
+        copy_into(rows[i], own_transform(record, generator=generator)["img"].numpy())
 
 
 def own_function_floor(arrow_dir: str, repeats: int) -> dict[str, float]:
@@ -88,8 +81,8 @@ def own_function_floor(arrow_dir: str, repeats: int) -> dict[str, float]:
     rows = np.empty((len(samples), 3, SIZE, SIZE), dtype=np.uint8)
     hwc, scratch = np.empty((SIZE, SIZE, 3), np.uint8), np.empty((SIZE, SIZE, 3), np.uint8)
     generator = torch.Generator()
-    readme = BatchProducer(dataset, seed=0, transform=Compose([DecodeCropFlip(SIZE), ToTensor()]))
-    own = BatchProducer(dataset, seed=0, transform=user_function)
+    readme = BatchProducer(dataset, seed=0, transform=loader_transform("readme"))
+    own = BatchProducer(dataset, seed=0, transform=own_transform)
     ways: dict[str, Callable[[], Any]] = {
         "fused": lambda: fused_rows(dataset, samples, rows, generator, hwc, scratch),
         "user's work": lambda: user_rows(dataset, samples, rows, generator),
@@ -149,7 +142,7 @@ def ready_next(arrow_dir: str, step_ms: float, batches: int, batch_size: int = B
     the batches that found theirs ready, and that median x batches / wall time. An epoch's
     first batch is not timed (it waits for the workers to start on the epoch)."""
     loader = Loader(Dataset(arrow_dir), batch_size=batch_size, shuffle=True, num_workers=WORKERS,
-                    seed=0, transform=Compose([DecodeCropFlip(SIZE), ToTensor()]),
+                    seed=0, transform=loader_transform("readme"),
                     persistent_workers=True)
     if len(loader) < 2:
         loader.close()
