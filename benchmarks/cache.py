@@ -185,7 +185,7 @@ def cold_start_table(repeats: int, n: int) -> str:
     from benchmarks.speed import OURS, run_child
 
     images = prepare_images(n, log=print)
-    variants = {"shardloader (stdlib S3 client)": {}, "shardloader (s3fs)": {"SHARDLOADER_S3_CLIENT": "fsspec"}}
+    variants = {"shardloader (botocore S3 reader)": {}, "shardloader (s3fs)": {"SHARDLOADER_S3_CLIENT": "fsspec"}}
     got: dict[str, list[float]] = {name: [] for name in variants}
     with S3Process({"arrow": images.arrow_dir}) as server:
         for _ in range(repeats):

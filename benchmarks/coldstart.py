@@ -105,7 +105,7 @@ def _instrument() -> None:
     from shardloader.source import ranged
 
     _timed(s3client.S3Reader, "_get", "get", lambda a, k, out: {
-        "path": a[1], "lo": a[2], "hi": a[3], "bytes": len(out),
+        "path": a[1], "range": a[2], "bytes": out if isinstance(out, int) else len(out),
         "thread": threading.current_thread().name})
     _timed(ranged.RangeReads, "_load", "sidecars", lambda a, k, out: {"shards": len(a[1])})
     _timed(ranged.RangeReads, "_fetch_spans", "spans", lambda a, k, out: {

@@ -130,7 +130,7 @@ def tars_on_s3(tar_dataset, s3_url, tmp_path):
 
 
 # More consecutive faults than botocore and s3fs retry on their own (2 requests for a 503, 4
-# for a reset with the test options; the standard-library S3 client of `index.json` none): the
+# for a reset with the test options; the botocore S3 reader of `index.json` none): the
 # commands succeed only through shardloader's retries.
 FAULTS = [pytest.param(Fault("status", status=503), 4, id="503"),
           pytest.param(Fault("reset"), 5, id="reset")]

@@ -1,11 +1,10 @@
-"""The standard-library S3 client of the read path (shardloader.io.s3client): when it is used,
-that its signatures are botocore's, and against moto's real server (directly and behind the
-fault proxy) that it returns exact bytes, fails as s3fs does for the retry rules of
-shardloader.io.retry, and starts afresh in a forked child."""
+"""The S3 read path (shardloader.io.s3client, botocore's client): which storage options it
+serves, and against moto's real server (directly and behind the fault proxy) that it returns
+exact bytes, fails as the retry rules of shardloader.io.retry expect, and starts afresh in a
+forked child. Credentials from every source, with refresh, are tests/test_io_s3_credentials.py."""
 
 from __future__ import annotations
 
-import datetime
 import os
 import random
 import sys
@@ -19,7 +18,7 @@ from shardloader.errors import FetchError
 from shardloader.io.checksum import checksum_bytes
 from shardloader.io.clients import filesystem
 from shardloader.io.retry import RetryPolicy, ShortRead
-from shardloader.io.s3client import S3Reader, s3_settings, signed_headers
+from shardloader.io.s3client import S3Reader, s3_options
 from shardloader.io.transfer import download, read_bytes
 from tests.fixtures.servers import Fault, _RangeHandler, always, first, seeded
 from tests.proctree import answer_from_fork
@@ -31,60 +30,38 @@ EXPLICIT = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": "http:/
                                                           "region_name": "eu-west-1"}}
 
 
-# -- when it is used ---------------------------------------------------------------------------
-def test_settings_from_explicit_options(tmp_path):
-    s = s3_settings({**EXPLICIT, "config_kwargs": {"read_timeout": 7, "max_pool_connections": 5}},
-                    environ={}, config_file=str(tmp_path / "none"))
-    assert s is not None
-    assert (s.endpoint, s.region, s.key, s.secret, s.token, s.read_timeout, s.pool) == (
-        "http://127.0.0.1:9", "eu-west-1", "k", "s", None, 7.0, 5)
+# -- which options it serves, and how they reach botocore ---------------------------------------
+def test_options_map_onto_botocores_client_and_request():
+    o = s3_options({**EXPLICIT, "token": "t", "requester_pays": True,
+                    "config_kwargs": {"read_timeout": 7, "max_pool_connections": 5},
+                    "s3_additional_kwargs": {"SSECustomerAlgorithm": "AES256"}}, environ={})
+    assert o is not None and o.profile is None and not o.anon
+    assert o.client == {"endpoint_url": "http://127.0.0.1:9", "region_name": "eu-west-1",
+                        "aws_access_key_id": "k", "aws_secret_access_key": "s",
+                        "aws_session_token": "t"}
+    assert o.config == {"read_timeout": 7, "max_pool_connections": 5,
+                        "retries": {"total_max_attempts": 1}}  # shardloader.io.transfer retries
+    assert o.request == {"SSECustomerAlgorithm": "AES256", "RequestPayer": "requester"}
 
 
-@pytest.mark.parametrize("options, environ, why", [
-    ({**EXPLICIT, "requester_pays": True}, {}, "an option it does not know"),
-    ({**EXPLICIT, "client_kwargs": {"endpoint_url": "http://h", "verify": False}}, {}, "a client option"),
-    ({**EXPLICIT}, {"AWS_PROFILE": "p"}, "a profile could change the endpoint"),
-    ({**EXPLICIT}, {"SHARDLOADER_S3_CLIENT": "fsspec"}, "turned off"),
-    ({**EXPLICIT}, {"HTTPS_PROXY": "http://proxy:3128"}, "botocore would go through the proxy"),
-    ({"key": "k"}, {}, "partial credentials"),
-    ({"client_kwargs": {"region_name": "us-east-1"}}, {}, "no credentials: botocore's chain"),
-    ({"key": "k", "secret": "s"}, {}, "no endpoint, no region: s3fs finds the region"),
+@pytest.mark.parametrize("options", [
+    {}, {"profile": "training"}, {"anon": True}, {"client_kwargs": {"verify": False}},
+    {"key": "k"}, {"skip_instance_cache": True, "use_listings_cache": False},
 ])
-def test_s3fs_is_used_when_this_client_could_differ(options, environ, why, tmp_path):
-    assert s3_settings(options, environ=environ, config_file=str(tmp_path / "none")) is None, why
+def test_every_credential_source_and_client_option_takes_this_path(options):
+    """No option that only says where credentials come from (nothing: botocore's chain; a
+    profile; anonymous), nor a client setting, sends a user to s3fs."""
+    o = s3_options(options, environ={"AWS_PROFILE": "p", "HTTPS_PROXY": "http://proxy:3128"})
+    assert o is not None
+    assert o.profile == options.get("profile") and o.anon == bool(options.get("anon"))
 
 
-def test_settings_take_environment_credentials_and_refuse_a_config_file(tmp_path):
-    env = {"AWS_ACCESS_KEY_ID": "ek", "AWS_SECRET_ACCESS_KEY": "es", "AWS_SESSION_TOKEN": "et",
-           "AWS_DEFAULT_REGION": "ap-south-1"}
-    s = s3_settings({}, environ=env, config_file=str(tmp_path / "none"))
-    assert s is not None and (s.key, s.secret, s.token, s.region, s.endpoint) == ("ek", "es", "et", "ap-south-1", None)
-    (tmp_path / "config").write_text("[default]\n")
-    assert s3_settings({}, environ=env, config_file=str(tmp_path / "config")) is None
-    assert s3_settings({"anon": True, "endpoint_url": "https://e.example"}, environ={},
-                       config_file=str(tmp_path / "none")).key is None
-
-
-@pytest.mark.parametrize("key, token, headers", [
-    ("data/shard-00001.arrow", None, {"range": "bytes=100-199"}),
-    ("a b/ü+x=y~z.bin", "session-token", {}),
+@pytest.mark.parametrize("options, environ", [
+    ({"session": object()}, {}),
+    ({**EXPLICIT}, {"SHARDLOADER_S3_CLIENT": "fsspec"}),
 ])
-def test_signatures_are_botocores(key, token, headers, monkeypatch):
-    import botocore.auth
-    from botocore.auth import S3SigV4Auth
-    from botocore.awsrequest import AWSRequest
-    from botocore.credentials import Credentials
-
-    now = datetime.datetime(2026, 11, 30, 23, 59, 58, tzinfo=datetime.timezone.utc)
-    reader = S3Reader(s3_settings({**EXPLICIT, "token": token} if token else EXPLICIT, environ={},
-                                  config_file="/nonexistent"))
-    _, host, target = reader._where(f"bucket/{key}")
-    ours = signed_headers("GET", host, target, "eu-west-1", "k", "s", token, headers, now)
-    request = AWSRequest(method="GET", url=f"http://{host}{target}", headers=dict(headers))
-    monkeypatch.setattr(botocore.auth, "get_current_datetime", lambda: now.replace(tzinfo=None))
-    signer = S3SigV4Auth(Credentials("k", "s", token), "s3", "eu-west-1")
-    signer.add_auth(request)
-    assert ours["authorization"] == request.headers["Authorization"]
+def test_s3fs_serves_only_what_botocore_cannot_be_given(options, environ):
+    assert s3_options(options, environ=environ) is None
 
 
 # -- against moto ------------------------------------------------------------------------------
@@ -139,21 +116,17 @@ def test_a_forked_child_reads_with_a_client_of_its_own(obj, s3_server):
     assert fs.cat_file(path) == PAYLOAD  # the parent's client still works
 
 
-def test_a_kept_alive_connection_the_server_closed_is_replaced_at_once(tmp_path, http_server):
-    import socket
-
-    (tmp_path / "bucket").mkdir()
-    (tmp_path / "bucket" / "blob.bin").write_bytes(PAYLOAD)
-    server = http_server(str(tmp_path))  # HTTP/1.1 keep-alive, ranges; S3 paths: /bucket/key
-    reader = S3Reader(s3_settings({"anon": True, "endpoint_url": server.url}, environ={},
-                                  config_file=str(tmp_path / "none")))
-    assert reader.cat_file("s3://bucket/blob.bin", 10, 20) == PAYLOAD[10:20]
-    (idle,) = reader._idle.values()
-    assert len(idle) == 1  # kept for the next request
-    idle[0].sock.shutdown(socket.SHUT_RDWR)  # as a server closing an idle connection does
-    assert reader.cat_file("s3://bucket/blob.bin") == PAYLOAD  # no error, no retry round
-    (idle,) = reader._idle.values()
-    assert len(idle) == 1 and idle[0].sock is not None
+def test_a_kept_alive_connection_the_server_closed_is_replaced_at_once(file_server):
+    # The server closes each connection after its answer without saying so (as a server
+    # closing an idle kept-alive connection does): the next GET goes out on a new connection
+    # at once, with no error and no second request.
+    serve, seen = file_server
+    reader = serve(PAYLOAD, drop_after_answer=True)
+    (server,) = serve.servers
+    for lo, hi in ((10, 20), (None, None), (5, 6)):
+        assert reader.cat_file("s3://bucket/blob.bin", lo, hi) == PAYLOAD[lo:hi]
+        assert server.closed.acquire(timeout=10)  # the server closed it, the client kept it
+    assert seen == ["bytes=10-19", None, "bytes=5-5"]
 
 
 # -- ranges streamed into the file (read_range_into) -------------------------------------------
@@ -165,6 +138,7 @@ class _FileHandler(_RangeHandler):
 
     ignore_range = False
     cut: int | None = None
+    drop_after_answer = False
 
     def send_head(self):
         if self.ignore_range:
@@ -177,7 +151,7 @@ class _FileHandler(_RangeHandler):
             chunk = source.read(min(64 << 10, remaining))
             outputfile.write(chunk)
             remaining -= len(chunk)
-        if self.cut is not None:
+        if self.cut is not None or self.drop_after_answer:
             self.close_connection = True
 
 
@@ -185,15 +159,22 @@ class _QuietServer(ThreadingHTTPServer):
     """A client that gives up on a cut or slow response resets its connection on purpose: that
     is no server error to print (socketserver prints a traceback for it). Others still print."""
 
+    closed = threading.Semaphore(0)  # released each time the server has closed a connection
+
     def handle_error(self, request, client_address) -> None:
         if not isinstance(sys.exc_info()[1], ConnectionError):
             super().handle_error(request, client_address)
+
+    def shutdown_request(self, request) -> None:
+        super().shutdown_request(request)
+        self.closed.release()
 
 
 @pytest.fixture
 def file_server(tmp_path):
     """(serve(payload, **handler settings) -> S3Reader of s3://bucket/blob.bin, requests)."""
     servers, seen = [], []
+    servers_by_reader: list[_QuietServer] = []
 
     def serve(payload: bytes, **settings) -> S3Reader:
         (tmp_path / "bucket").mkdir(exist_ok=True)
@@ -210,13 +191,15 @@ def file_server(tmp_path):
         for key, value in settings.items():
             setattr(Handler, key, value)
         server = _QuietServer(("127.0.0.1", 0), Handler)
+        server.closed = threading.Semaphore(0)
+        servers_by_reader.append(server)
         server.daemon_threads = True
         threading.Thread(target=server.serve_forever, args=(0.02,), daemon=True).start()
         servers.append(server)
         url = f"http://127.0.0.1:{server.server_address[1]}"
-        return S3Reader(s3_settings({"anon": True, "endpoint_url": url}, environ={},
-                                    config_file=str(tmp_path / "none")))
+        return S3Reader(s3_options({"anon": True, "endpoint_url": url}, environ={}))
 
+    serve.servers = servers_by_reader  # type: ignore[attr-defined]
     yield serve, seen
     for server in servers:
         server.shutdown()
@@ -257,6 +240,8 @@ def test_no_range_body_is_held_whole_in_memory(file_server, tmp_path):
     serve, seen = file_server
     payload = random.Random(3).randbytes(32 * MIB)
     fs = serve(payload)
+    assert fs.cat_file("bucket/blob.bin", 0, 1) == payload[:1]  # botocore's models loaded
+    seen.clear()
     tracemalloc.start()
     try:
         fd = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)

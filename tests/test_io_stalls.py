@@ -68,7 +68,7 @@ def test_a_fallback_after_a_stalled_read_does_not_start_a_new_budget(store, s3_s
                                                                     http_server, fault_proxy,
                                                                     tmp_path):
     payload = random.Random(3).randbytes(200_000)
-    if store == "s3":  # the standard-library S3 client, its read_timeout
+    if store == "s3":  # the botocore S3 reader, its read_timeout
         s3_server.put(s3_bucket, "ds/shard.arrow", payload)
         s3_server.put(s3_bucket, "ds/shard.arrow.ranges", payload[:5000])
         proxy = fault_proxy(s3_server.endpoint)

@@ -7,10 +7,10 @@ what is decided once:
 - One client per process and set of options, kept for the life of the process (see "Fork"
   below): connections are reused across calls and modules.
 - S3 clients get a connection pool sized for concurrent range reads (`S3_POOL_CONNECTIONS`).
-- Reads of s3:// URLs go through the standard-library client of `shardloader.io.s3client`
-  (no s3fs import, no botocore session; see there why) when its options allow; callers that
-  need more of fsspec's interface than `cat_file`/`cat_ranges` (listing, sizes, `open`,
-  writes) ask for `full_interface=True` and always get fsspec's filesystem for the protocol.
+- Reads of s3:// URLs go through botocore's own client (`shardloader.io.s3client`: no s3fs,
+  aiobotocore or aiohttp import; every credential source of AWS's chain; see there why);
+  callers that need more of fsspec's interface than `cat_file`/`cat_ranges` (listing, sizes,
+  `open`, writes) ask for `full_interface=True` and always get fsspec's filesystem.
 - A forked child builds clients of its own, reusing its parent's botocore session.
 
 Retries are not done here: `shardloader.io.retry` decides what is transient, and
@@ -59,9 +59,9 @@ def filesystem(
 ) -> tuple[Any, str]:
     """(filesystem, path) for `url`: this process's client for these options.
 
-    For s3:// URLs whose options it handles, and unless `full_interface`, the read-only
-    standard-library client of `shardloader.io.s3client` (`cat_file` and `cat_ranges` only);
-    else fsspec's filesystem for the protocol, with its whole interface."""
+    For s3:// URLs, unless `full_interface`, the read-only botocore client of
+    `shardloader.io.s3client` (`cat_file` and `cat_ranges` only); else fsspec's filesystem for
+    the protocol, with its whole interface."""
     options = dict(storage_options or {})
     if url.startswith(("s3://", "s3a://")):
         options = _with_connection_pool(options)
@@ -70,7 +70,7 @@ def filesystem(
 
         return fsspec.core.url_to_fs(url, **options)
     # The protocol as fsspec's split_protocol reads it ("file" for a plain path), without
-    # importing fsspec: the standard-library S3 client below needs none of it.
+    # importing fsspec: the botocore S3 reader below needs none of it.
     protocol = url.split("://", 1)[0] if "://" in url else "file"
     kind = "fsspec" if full_interface else "read"
     key = (os.getpid(), protocol, _options_key(options), kind)

@@ -2,9 +2,9 @@
 
 `download` writes one object into a local file. The object is read as byte ranges
 (`chunk_size` each, `parallel` at a time through fsspec's `cat_ranges`, which runs them
-concurrently on async filesystems such as s3fs and http). With the standard-library S3 client
+concurrently on async filesystems such as s3fs and http). With the botocore S3 reader
 (`shardloader.io.s3client.S3Reader`) each range is instead streamed into the file as it arrives
-(`read_ranges_into`, on the client's threads), through a 1 MiB buffer: read whole, `parallel`
+(`read_ranges_into`, on the client's threads), 256 KiB at a time: read whole, `parallel`
 8 MiB bodies per download were alive at once in the training process, and their churn left
 glibc's per-thread arenas holding ~100 MiB after a remote epoch. Ranges that fail with a transient
 error (see `shardloader.io.retry`) are fetched again after an exponential backoff with jitter;
