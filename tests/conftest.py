@@ -3,6 +3,7 @@
 pytest_plugins = [
     "tests.fixtures.data",
     "tests.fixtures.servers",
+    "tests.fixtures.credentials",
     "tests.fixtures.mlflow",
     "tests.fixtures.runtime",
 ]
