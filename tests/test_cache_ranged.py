@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import threading
 
 import numpy as np
@@ -291,11 +292,15 @@ def test_a_changed_object_is_refused_by_the_loaders_workers(arrow_dir, s3_server
     ds = Dataset(url, cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
                  storage_options=s3_server.storage_options())
     loader = Loader(ds, batch_size=16, seed=3, shuffle=True, num_workers=2, partitions=4, window=2)
-    # the dataset's own error type, raised in the worker and rebuilt here with its traceback
-    with pytest.raises(ChecksumMismatch, match=rf"(?s)Caught ChecksumMismatch in shardloader worker .*"
-                                               rf"{url}/shard-\d+\.arrow: bytes \d+-\d+ "
-                                               r"read by range do not match .*changed after indexing"):
+    # the dataset's own error type, raised in the worker and rebuilt here with its traceback;
+    # its first line (what a log line or an alert shows) names the shard and what is wrong
+    with pytest.raises(ChecksumMismatch) as raised:
         take(loader, 1)
+    first, rest = str(raised.value).split("\n", 1)
+    assert re.fullmatch(rf"{re.escape(url)}/shard-\d+\.arrow: bytes \d+-\d+ read by range do not match "
+                        r".*changed after indexing.* \(in shardloader worker process [01], batch 0 of "
+                        r"epoch 0\)", first), first
+    assert "Original Traceback (most recent call last):" in rest and "_fetch_spans" in rest
     loader.close()
     assert _cached_shards(str(tmp_path / "cache")) == []  # nothing unverified entered the cache
 

@@ -6,6 +6,7 @@ of another name is refused even when the first has ended (tests/test_job_account
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -72,3 +73,58 @@ def test_a_job_that_ended_leaves_the_root_to_its_next_attempt(tmp_path):
     assert first.returncode == 0
     with Checkpointer(root) as again:
         assert again.steps() == [1]
+
+
+def test_a_second_checkpointer_on_one_root_in_one_process_takes_over(tmp_path):
+    """A notebook cell that makes a Checkpointer, run twice: the first was never closed. The
+    second takes over the root; the first writes and deletes nothing from then on (its next
+    save is a clear error), so its retention (keep=1) never deletes the second's checkpoints."""
+    root = tmp_path / "ck"
+    first = Checkpointer(root, keep=1)
+    first.save(1, state={"w": 1}).wait()
+    second = Checkpointer(root, keep=3)  # the cell, run again
+    second.save(10, state={"w": 10}).wait()
+    second.save(11, state={"w": 11}).wait()
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(first.root)}: this Checkpointer was closed: "
+                                              r"a newer Checkpointer of this root in this process took over"):
+        first.save(2, state={"w": 2})  # interleaved with the second's saves
+    second.save(12, state={"w": 12}).wait()
+    assert second.steps() == [10, 11, 12]  # keep=3 of the second's own, none deleted by the first
+    with pytest.raises(CheckpointError, match="took over"):
+        first.load()
+    assert second.load() == 12
+    second.close()
+    first.close()  # closing the stood-down one is harmless
+    assert Checkpointer(root, keep=3).steps() == [10, 11, 12]
+
+
+def test_a_garbage_collected_checkpointer_deletes_nothing_of_the_one_that_took_over(tmp_path):
+    """The first object was dropped (its cell's variable rebound) while its save was still in
+    flight: that save commits, but its retention, which runs after the second has saved, deletes
+    nothing."""
+    import gc
+    import threading
+    import weakref
+
+    root = tmp_path / "ck"
+    at_retention, go_on = threading.Event(), threading.Event()
+
+    def hold_retention(phase, ckpt_id, step):
+        if phase == "retention":
+            at_retention.set()
+            assert go_on.wait(60)
+
+    first = Checkpointer(root, keep=1, _phase_hook=hold_retention)
+    handle = first.save(1, state={"w": 1})
+    assert at_retention.wait(60)  # committed; its retention waits
+    gone = weakref.ref(first)
+    del first
+    gc.collect()
+    assert gone() is None  # garbage-collected, never closed
+    second = Checkpointer(root, keep=3)
+    second.save(10, state={"w": 10}).wait()
+    second.save(11, state={"w": 11}).wait()
+    go_on.set()  # the first's retention (keep=1) runs now
+    handle.wait()
+    assert second.steps() == [1, 10, 11]
+    second.close()

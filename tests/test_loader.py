@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import warnings
 
@@ -236,9 +237,14 @@ def test_a_failing_sample_fails_its_batch_only(dataset_dir, workers, kind):
     got = [record(next(iterator)) for _ in range(3)]
     with pytest.raises(BadPixels, match=rf"bad pixels in sample {bad}") as raised:
         next(iterator)
-    where = f"batch 3 of epoch 0 (sample {bad})"
+    where = f"batch 3 of epoch 0, sample {bad}"
     shown = str(raised.value) + "".join(getattr(raised.value, "__notes__", []))
     assert where in shown
+    first = str(raised.value).split("\n", 1)[0]  # what a log line or an alert shows: the cause
+    assert first.startswith(f"bad pixels in sample {bad}")
+    if workers and kind == "process":  # and where: the worker's traceback only below it
+        assert re.fullmatch(rf"bad pixels in sample {bad} \(in shardloader worker process [01], {where}\)", first)
+        assert "Original Traceback (most recent call last):" in str(raised.value)
     assert loader.state_dict()["position"] == 4 * 8  # the failed batch is consumed
     got += [record(batch) for batch in iterator]
     assert got == reference[:3] + reference[4:]

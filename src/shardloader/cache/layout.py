@@ -6,6 +6,8 @@
                                                         their own checksum; kind: ranges, offsets
     <root>/tmp/<name>.<pid>.<token>.part               downloads in progress (never read)
     <root>/locks/<name>.lock                            per-shard download lock (flock)
+    <root>/locks/<name>.spent                           bytes of a shard read by range on the
+                                                        node while it is not whole (`range_spend.py`)
     <root>/locks/bookkeeping.lock                       guards sizes, reservations, eviction
     <root>/locks/pressure                               its mtime: a reader is waiting for room
     <root>/index/                                       the ledger (diskcache)
@@ -142,6 +144,9 @@ class CacheLayout:
 
     def lock_of(self, name: str) -> str:
         return os.path.join(self.lock_dir, name + ".lock")
+
+    def spent_of(self, name: str) -> str:
+        return os.path.join(self.lock_dir, name + ".spent")
 
     def new_temp(self, name: str) -> str:
         return os.path.join(self.tmp_dir, f"{name}.{os.getpid()}.{secrets.token_hex(6)}.part")

@@ -40,6 +40,7 @@ import time
 import weakref
 from collections.abc import Callable
 
+import shardloader.cache.range_spend as range_spend
 from shardloader.cache.download import Companion, Fetch, download_shard, install, temp_files
 from shardloader.cache.layout import CacheLayout, cache_name
 from shardloader.cache.ledger import Ledger, LedgerEntry
@@ -378,6 +379,7 @@ class ShardCache:
                         self.ledger.commit(name, LedgerEntry(size, time.time()))
                         again = self.ledger.note_download(name, stats.bytes_received)
                     fsync_dir(os.path.dirname(path))
+                    range_spend.forget(self.layout, name)  # whole: reads by range are over
                     with self._mutex:
                         self._verified.add((name, FileIdentity.of(st)))
                         self.counters["bytes_downloaded"] += stats.bytes_received

@@ -27,6 +27,7 @@ from typing import Any
 import shardloader.checkpoint.catalog as catalog
 import shardloader.checkpoint.commit as commit
 import shardloader.checkpoint.restore as restore
+import shardloader.checkpoint.tenure as tenure
 from shardloader.checkpoint.commit import CommitSetup, PhaseHook
 from shardloader.checkpoint.fields import is_nonneg_int
 from shardloader.checkpoint.group import LocalGroup, make_group
@@ -144,6 +145,8 @@ class Checkpointer:
         self._exit_error: BaseException | None = None  # set by __exit__ when its block raised
         self.loaded_extra: dict[str, Any] = {}
         self.loaded: dict[str, Any] | None = None
+        self._superseded = False  # a newer Checkpointer of the root took over (`_stand_down`)
+        tenure.take_over(self._store, self, self._setup.retired)  # before touching the root
         self._startup_cleanup()
         self._at_exit = _ExitWait(weakref.ref(self))
         atexit.register(self._at_exit)
@@ -236,8 +239,26 @@ class Checkpointer:
 
     # ---------------------------------------------------------------------------- errors, wait
     def _check_open(self) -> None:
+        if self._superseded:
+            raise CheckpointError(
+                f"{self.root}: this Checkpointer was closed: a newer Checkpointer of this root in "
+                "this process took over (a root has one writer; two would delete each other's "
+                "checkpoints); save and load through the newer one")
         if self._closed:
             raise CheckpointError(f"Checkpointer for {self.root} is closed")
+
+    def _stand_down(self) -> None:
+        """A newer Checkpointer of this root in this process took over (`tenure`): close this
+        one (its save in flight finishes first) and refuse every later save and load."""
+        if self._closed:
+            return
+        self._superseded = True
+        log.warning("%s: a newer Checkpointer of this root took over from one that was still open "
+                    "in this process; the older one is closed now", self.root)
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - its failed last save: said, never the newer one's error
+            log.warning("%s: the last save of the Checkpointer taken over from failed: %s", self.root, exc)
 
     def _wait_inflight(self) -> None:
         """Wait for the save in flight, at most `timeout`; raise its error if it failed."""

@@ -29,7 +29,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import shardloader.checkpoint.catalog as catalog
@@ -71,6 +71,9 @@ class CommitSetup:
     stats: dict[str, Any]  # the checkpointer's counters, under stats_lock
     stats_lock: threading.Lock
     attempt: Any = None  # the job's AttemptRecorder: told of each commit and failure
+    # set when a newer Checkpointer of the root in this process took over (`tenure`): from then
+    # on retention deletes nothing, also for a save already in flight
+    retired: threading.Event = field(default_factory=threading.Event)
 
     def count(self, **amounts: float) -> None:
         with self.stats_lock:
@@ -277,7 +280,8 @@ def _apply_retention(setup: CommitSetup, handle: CheckpointHandle) -> None:
     t0 = time.perf_counter()
     try:
         with setup.catalog_lock:
-            deleted = catalog.apply_retention(setup.store, setup.keep)
+            retired = setup.retired.is_set()  # the root is a newer Checkpointer's now
+            deleted = [] if retired else catalog.apply_retention(setup.store, setup.keep)
         if deleted:
             log.info("retention deleted %s", deleted)
     except Exception as exc:

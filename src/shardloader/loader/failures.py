@@ -50,8 +50,8 @@ class FailureRecord:
 
 
 def where(epoch: int, step: int, sample: int | None) -> str:
-    """'batch 3 of epoch 0 (sample 17)': the place a failure names."""
-    return f"batch {step} of epoch {epoch}" + ("" if sample is None else f" (sample {sample})")
+    """'batch 3 of epoch 0, sample 17': the place a failure names."""
+    return f"batch {step} of epoch {epoch}" + ("" if sample is None else f", sample {sample}")
 
 
 def unwrap(error: BaseException) -> tuple[BaseException, int | None]:
@@ -70,7 +70,13 @@ def in_this_process(error: BaseException, epoch: int, step: int) -> BatchFailure
 
 
 def record_in_worker(error: BaseException, worker_id: int, epoch: int, step: int) -> FailureRecord:
-    """Describe a failure inside worker process `worker_id`, to send it to the training process."""
+    """Describe a failure inside worker process `worker_id`, to send it to the training process.
+
+    The message's first line is the cause (the original message: which shard or sample, what
+    is wrong), then where it happened: "bad pixels in sample 17 (in shardloader worker process
+    0, batch 3 of epoch 0, sample 17)"; the worker's traceback follows below it. Log lines,
+    alerts and UIs that show one line then show the cause (DataLoader's "Caught X in DataLoader
+    worker process N." names it only after the traceback)."""
     original, sample = unwrap(error)
     exc_type: type[BaseException] | None = type(original)
     try:
@@ -83,8 +89,12 @@ def record_in_worker(error: BaseException, worker_id: int, epoch: int, step: int
     except Exception:  # noqa: BLE001 - attributes that cannot travel are left behind
         attributes = None
     trace = "".join(traceback.format_exception(original))
-    message = (f"Caught {type(original).__name__} in shardloader worker process {worker_id} while "
-               f"producing {where(epoch, step, sample)}.\nOriginal {trace}")
+    cause = str(original) or type(original).__name__
+    if exc_type is None:  # rebuilt as RuntimeError: the first line names the type it had
+        cause = f"{type(original).__name__}: {cause}"
+    first, newline, rest = cause.partition("\n")
+    message = (f"{first} (in shardloader worker process {worker_id}, {where(epoch, step, sample)})"
+               f"{newline}{rest}\n\nOriginal {trace}")
     return FailureRecord(exc_type, message, attributes)
 
 

@@ -42,9 +42,11 @@ fetches what is not on the node itself. A background fetch that fails is never t
 that shard whole": the read that needs the sidecar fetches it again, and raises what is not
 transient (see `_states`).
 
-Bounds. Per process and shard, reads by range fetch at most `budget` (a fraction of the shard's
-size); a read that would pass it waits for the whole shard instead, so range reads cost at most
-that fraction on top of the whole download, whatever the prefetcher does.
+Bounds. Per node and shard, reads by range fetch at most `budget` (a fraction of the shard's
+size), counted for every process that shares the node cache (`shardloader.cache.range_spend`);
+a read that would pass it waits for the whole shard instead, so range reads cost at most that
+fraction on top of the whole download, whatever the prefetcher does and however many processes
+read the shard.
 """
 
 from __future__ import annotations
@@ -60,7 +62,8 @@ from typing import Any
 
 import numpy as np
 
-from shardloader.cache.layout import sidecar_name
+import shardloader.cache.range_spend as range_spend
+from shardloader.cache.layout import cache_name, sidecar_name
 from shardloader.cache.sidecars import SidecarWant, load_sidecars, matches
 from shardloader.cache.store import ShardCache
 from shardloader.errors import ChecksumMismatch, ShardloaderError, UnsafePathError
@@ -85,7 +88,6 @@ class _ShardState:
     table: RangeTable
     tar: Any  # TarOffsets of a tar shard, else None
     kept: dict[int, bytes] = field(default_factory=dict)  # shared and group spans fetched
-    spent: int = 0  # bytes fetched by range in this process
 
 
 @dataclass
@@ -107,7 +109,7 @@ class RangeReads:
         cache: Callable[[], ShardCache],
         policy: RetryPolicy,
         gap: int = DEFAULT_GAP,
-        budget: float = 0.5,
+        budget: float = 0.25,
         max_shards: int = 64,
     ) -> None:
         self._filesystem = filesystem
@@ -130,7 +132,7 @@ class RangeReads:
         """Records of the rows of each (shard, rows) in `wanted` that can be read by range, by
         position in `wanted`; shards left out are to be read whole."""
         states = self._states([info for info, _ in wanted])
-        plans: list[tuple[int, ShardInfo, np.ndarray, _ShardState, np.ndarray]] = []
+        plans: list[tuple[int, ShardInfo, np.ndarray, _ShardState, np.ndarray, int]] = []
         with self._lock:
             for pos, (info, rows) in enumerate(wanted):
                 state = states.get(info.path)
@@ -140,16 +142,16 @@ class RangeReads:
                 have = state.table.inline
                 missing = np.asarray([i for i in ids.tolist() if i not in state.kept and i not in have],
                                      dtype=np.int64)
-                cost = self._cost(state.table, missing)
-                if state.spent + cost > self.budget * info.bytes:
+                gap = self._spend(info, state.table, missing)
+                if gap is None:
                     continue  # reading on by range would cost more than waiting for the shard
-                state.spent += cost
-                plans.append((pos, info, np.asarray(rows, dtype=np.int64), state, missing))
+                plans.append((pos, info, np.asarray(rows, dtype=np.int64), state, missing, gap))
         if not plans:
             return {}
-        fetched = self._fetch_spans([(info, state.table, missing) for _, info, _, state, missing in plans])
+        fetched = self._fetch_spans([(info, state.table, missing, gap)
+                                     for _, info, _, state, missing, gap in plans])
         out: dict[int, list[dict[str, Any]]] = {}
-        for (pos, info, rows, state, _), spans in zip(plans, fetched):
+        for (pos, info, rows, state, _, _), spans in zip(plans, fetched):
             keep = set(state.table.shared.tolist())
             groups = sorted_unique(state.table.groups_of(rows)).tolist()
             for g in groups:
@@ -176,7 +178,7 @@ class RangeReads:
         commits."""
         try:
             states = self._states([info for info, _ in wanted], hold=hold)
-            work: list[tuple[ShardInfo, _ShardState, np.ndarray]] = []
+            work: list[tuple[ShardInfo, _ShardState, np.ndarray, int]] = []
             with self._lock:
                 for info, rows in wanted:
                     state = states.get(info.path)
@@ -187,16 +189,15 @@ class RangeReads:
                     missing = np.asarray([i for i in ids[small].tolist()
                                           if i not in state.kept and i not in state.table.inline],
                                          dtype=np.int64)
-                    cost = self._cost(state.table, missing)
-                    if not len(missing) or state.spent + cost > self.budget * info.bytes:
+                    gap = self._spend(info, state.table, missing) if len(missing) else None
+                    if gap is None:
                         continue
-                    state.spent += cost
-                    work.append((info, state, missing))
+                    work.append((info, state, missing, gap))
             if not work:
                 return 0
-            fetched = self._fetch_spans([(info, state.table, missing) for info, state, missing in work])
+            fetched = self._fetch_spans([(info, state.table, missing, gap) for info, state, missing, gap in work])
             with self._lock:
-                for (_, state, _), spans in zip(work, fetched):
+                for (_, state, _, _), spans in zip(work, fetched):
                     state.kept.update(spans)
             return sum(len(spans) for spans in fetched)
         except Exception:  # noqa: BLE001 - an optimisation: the reads fetch what they need
@@ -209,11 +210,25 @@ class RangeReads:
         most of it (it would rather wait for the whole shard, see `budget`)."""
         return min(self.gap, table.shard_bytes // 16)
 
-    def _cost(self, table: RangeTable, ids: np.ndarray) -> int:
+    def _cost(self, table: RangeTable, ids: np.ndarray, gap: int) -> int:
         """Bytes the requests for spans `ids` transfer (gaps between joined spans included)."""
         if not len(ids):
             return 0
-        return sum(hi - lo for lo, hi, _ in coalesce(table.spans[ids], self._gap(table)))
+        return sum(hi - lo for lo, hi, _ in coalesce(table.spans[ids], gap))
+
+    def _spend(self, info: ShardInfo, table: RangeTable, ids: np.ndarray) -> int | None:
+        """The gap to fetch spans `ids` of `info` with, their bytes counted for the node (in the
+        cache: `shardloader.cache.range_spend`) against `budget` of the shard's size; when the
+        joined requests would pass it, the spans alone (gap 0: more requests, fewer bytes), so
+        that a first batch read by several processes at once stays within it; None when even
+        those would pass it (the reader then waits for the whole shard)."""
+        if not len(ids):
+            return self._gap(table)
+        layout, name = self._cache().layout, cache_name(info)
+        for gap in dict.fromkeys((self._gap(table), 0)):
+            if range_spend.spend(layout, name, self._cost(table, ids, gap), self.budget * info.bytes):
+                return gap
+        return None
 
     def release_held(self) -> None:
         """The first batch is out: commit the sidecars fetched for it (see `prime`, `warm`)."""
@@ -399,8 +414,8 @@ class RangeReads:
                 self._shards.popitem(last=False)
 
     # -- spans ---------------------------------------------------------------------------------
-    def _fetch_spans(self, work: list[tuple[ShardInfo, RangeTable, np.ndarray]]) -> list[dict[int, bytes]]:
-        """For each (shard, table, span ids): the verified bytes of those spans, all shards'
+    def _fetch_spans(self, work: list[tuple[ShardInfo, RangeTable, np.ndarray, int]]) -> list[dict[int, bytes]]:
+        """For each (shard, table, span ids, gap): the verified bytes of those spans, all shards'
         requests in one concurrent round (plus one more for spans that did not verify)."""
         fs, base = self._filesystem()
         results: list[dict[int, bytes]] = [{} for _ in work]
@@ -409,12 +424,12 @@ class RangeReads:
             requests: list[RangeRequest] = []
             owners: list[tuple[int, int, list[int]]] = []  # (work item, lo, span ids)
             for w in todo:
-                info, table, ids = work[w]
+                info, table, ids, gap = work[w]
                 ids = np.asarray([i for i in ids.tolist() if i not in results[w]], dtype=np.int64)
                 if not len(ids):
                     continue
                 rel = join_url(base, info.path) if base else info.path
-                for lo, hi, members in coalesce(table.spans[ids], self._gap(table)):
+                for lo, hi, members in coalesce(table.spans[ids], gap):
                     requests.append(RangeRequest(rel, self._url(info.path), lo, hi, info.bytes))
                     owners.append((w, lo, [int(ids[m]) for m in members]))
             if not requests:

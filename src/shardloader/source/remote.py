@@ -104,7 +104,7 @@ class RemoteSource(ShardSource):
     a reader waits for other processes to release shards before `CacheFullError`.
     `range_reads` lets readers under a Loader read rows of shards not yet cached by byte range
     (`range_gap`: spans this close share a request; `range_budget`: at most this fraction of a
-    shard per process, then it is read whole); see `shardloader.source.ranged`.
+    shard per node, all processes together, then it is read whole); see `shardloader.source.ranged`.
     When a Loader's prefetch starts: `shardloader.loader.prefetch_policy`.
     """
 
@@ -128,7 +128,7 @@ class RemoteSource(ShardSource):
         full_timeout: float = 30.0,
         range_reads: bool = True,
         range_gap: int | str = "1MiB",
-        range_budget: float = 0.5,
+        range_budget: float = 0.25,
     ) -> None:
         self.root = url.rstrip("/")
         self.storage_options = dict(storage_options or {})
