@@ -53,7 +53,7 @@ class BatchTimings:
 
     read_seconds: float = 0.0
     transform_seconds: float = 0.0
-    download_wait_seconds: float = 0.0
+    shard_wait_seconds: float = 0.0
     cache_hits: int = 0
     cache_misses: int = 0
     bytes_downloaded: int = 0
@@ -137,8 +137,8 @@ class BatchProducer:
         t1 = time.perf_counter()
         # Waiting for shard files (a download, another process's download, verification) is
         # measured by this thread alone, so prefetch threads' downloads never inflate it.
-        timings.download_wait_seconds = self.dataset.shard_wait_seconds() - wait_before
-        timings.read_seconds = max(0.0, t1 - t0 - timings.download_wait_seconds)
+        timings.shard_wait_seconds = self.dataset.shard_wait_seconds() - wait_before
+        timings.read_seconds = max(0.0, t1 - t0 - timings.shard_wait_seconds)
         if before is not None:
             after = source.counters()
             timings.cache_hits, timings.cache_misses, timings.bytes_downloaded = counter_delta(before, after)

@@ -76,7 +76,7 @@ class BatchRecorder:
         if telemetry is None:  # the summary alone: no record to build
             stats.add_batch(
                 step, task.size, task.padded, fetch_seconds, delivered, timings.read_seconds,
-                timings.transform_seconds, timings.download_wait_seconds, queue_depth, hits,
+                timings.transform_seconds, timings.shard_wait_seconds, queue_depth, hits,
                 misses, downloaded)
             return
         global _BatchRecord
@@ -86,7 +86,7 @@ class BatchRecorder:
             step=step, epoch=self.epoch, rank=self.rank,
             samples=task.size, fetch_seconds=fetch_seconds, time=delivered,
             read_seconds=timings.read_seconds, transform_seconds=timings.transform_seconds,
-            download_wait_seconds=timings.download_wait_seconds, queue_depth=queue_depth,
+            shard_wait_seconds=timings.shard_wait_seconds, queue_depth=queue_depth,
             cache_hits=hits, cache_misses=misses, bytes_downloaded=downloaded, padded=task.padded,
         )
         if stats is not None:

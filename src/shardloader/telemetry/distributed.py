@@ -17,7 +17,7 @@ _GLOO_GROUP: Any = None
 
 _SUMMED = (
     "batches", "samples", "padded", "fetch_seconds_total", "read_seconds_total",
-    "transform_seconds_total", "download_wait_seconds_total", "cache_hits", "cache_misses",
+    "transform_seconds_total", "shard_wait_seconds_total", "cache_hits", "cache_misses",
     "bytes_downloaded", "samples_per_second", "samples_per_second_window",
 )
 _MAXED = (

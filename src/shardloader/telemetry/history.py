@@ -15,6 +15,7 @@ from shardloader.telemetry.records import (
     LOGGABLE_FIELDS,
     BatchRecord,
     TelemetryInputError,
+    old_names,
 )
 from shardloader.telemetry.sinks import read_jsonl
 
@@ -53,9 +54,11 @@ def records_from_mlflow(
     suffix = "" if rank is None else f"/rank{rank}"
     histories: dict[str, list[Any]] = {}
     for name in LOGGABLE_FIELDS:
-        history = client.get_metric_history(run_id, f"{prefix}{name}{suffix}")
-        if history:
-            histories[name] = history
+        for logged in (name, *old_names(name)):  # a run logged before the field was renamed
+            history = client.get_metric_history(run_id, f"{prefix}{logged}{suffix}")
+            if history:
+                histories[name] = history
+                break
     if "fetch_seconds" not in histories:
         logged = sorted(client.get_run(run_id).data.metrics)
         raise TelemetryInputError(

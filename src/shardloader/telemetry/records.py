@@ -33,7 +33,7 @@ class BatchRecord:
     time: float  # time.time() when the batch was delivered
     read_seconds: float  # worker time reading rows
     transform_seconds: float  # worker time decoding + augmenting (+ collating)
-    download_wait_seconds: float  # worker time waiting for shards to reach the cache
+    shard_wait_seconds: float  # worker time waiting for shards to reach the cache
     queue_depth: int  # ready batches waiting when the caller asked
     cache_hits: int = 0
     cache_misses: int = 0
@@ -47,10 +47,15 @@ class BatchRecord:
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "record") -> BatchRecord:
         """Validate a plain dict (e.g. one JSON line); `where` names it in error messages.
 
-        Keys that are not fields are ignored (a newer writer may add fields with defaults).
+        Keys that are not fields are ignored (a newer writer may add fields with defaults); a
+        field's old name (`RENAMED_FIELDS`) is read as its new one.
         """
         if not isinstance(data, Mapping):
             raise TelemetryInputError(f"{where}: expected an object, got {type(data).__name__}")
+        renamed = {new: data[old] for old, new in RENAMED_FIELDS.items()
+                   if old in data and new not in data}
+        if renamed:  # written before the rename
+            data = {**data, **renamed}
         missing = [name for name in REQUIRED_FIELDS if name not in data]
         if missing:
             raise TelemetryInputError(f"{where}: batch record lacks {', '.join(missing)}")
@@ -92,6 +97,16 @@ METRIC_FIELDS: tuple[str, ...] = tuple(
 )
 #: Fields a metrics backend can store per step (the step and time are the metric's own).
 LOGGABLE_FIELDS: tuple[str, ...] = METRIC_FIELDS + ("epoch",)
+#: Fields renamed since first written, old name -> new. Files and MLflow runs written under the
+#: old name are read under the new one (`from_dict`, `telemetry.history`); only the new is
+#: written. download_wait_seconds: the time the reading thread waited for shard files, which
+#: the dataset protocol (`shard_wait_seconds()`) and every other place call shard wait.
+RENAMED_FIELDS: dict[str, str] = {"download_wait_seconds": "shard_wait_seconds"}
+
+
+def old_names(name: str) -> tuple[str, ...]:
+    """The names field `name` was written under before (`RENAMED_FIELDS`), oldest last."""
+    return tuple(old for old, new in RENAMED_FIELDS.items() if new == name)
 
 
 @runtime_checkable

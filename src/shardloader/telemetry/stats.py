@@ -88,7 +88,7 @@ class StatsAggregator:
             self._fetch_max = 0.0
             self._read_total = 0.0
             self._transform_total = 0.0
-            self._download_wait_total = 0.0
+            self._shard_wait_total = 0.0
             self._queue_depth_total = 0
             self._hits = 0
             self._misses = 0
@@ -117,11 +117,11 @@ class StatsAggregator:
     def add(self, record: BatchRecord) -> None:
         self.add_batch(record.step, record.samples, record.padded, record.fetch_seconds,
                        record.time, record.read_seconds, record.transform_seconds,
-                       record.download_wait_seconds, record.queue_depth, record.cache_hits,
+                       record.shard_wait_seconds, record.queue_depth, record.cache_hits,
                        record.cache_misses, record.bytes_downloaded)
 
     def add_batch(self, step: int, samples: int, padded: int, fetch: float, time: float,
-                  read: float, transform: float, download_wait: float, queue_depth: int,
+                  read: float, transform: float, shard_wait: float, queue_depth: int,
                   hits: int, misses: int, downloaded: int) -> None:
         """`add` of a record with these fields, without making the record: the Loader calls
         this inside next() when no other sink needs one (a BatchRecord cost ~15 us there)."""
@@ -135,7 +135,7 @@ class StatsAggregator:
             self._hist.add(fetch)
             self._read_total += read
             self._transform_total += transform
-            self._download_wait_total += download_wait
+            self._shard_wait_total += shard_wait
             self._queue_depth_total += queue_depth
             self._hits += hits
             self._misses += misses
@@ -163,7 +163,7 @@ class StatsAggregator:
 
         Keys: batches, samples, padded, fetch_seconds_{total,mean,p50,p95,p99,max},
         wall_seconds, stall_fraction, samples_per_second, stall_fraction_window,
-        samples_per_second_window, {read,transform,download_wait}_seconds_total,
+        samples_per_second_window, {read,transform,shard_wait}_seconds_total,
         queue_depth_mean, cache_hits, cache_misses, bytes_downloaded and, once the cache was
         consulted, cache_hit_ratio. The stall fraction is time waiting for data / wall time.
         """
@@ -181,7 +181,7 @@ class StatsAggregator:
                 "fetch_seconds_max": self._fetch_max,
                 "read_seconds_total": self._read_total,
                 "transform_seconds_total": self._transform_total,
-                "download_wait_seconds_total": self._download_wait_total,
+                "shard_wait_seconds_total": self._shard_wait_total,
                 "queue_depth_mean": self._queue_depth_total / n if n else 0.0,
                 "cache_hits": self._hits,
                 "cache_misses": self._misses,
