@@ -50,8 +50,8 @@ def test_batch_record_dict_round_trip_and_validation():
 
 
 # -- StatsAggregator -----------------------------------------------------------------------------
-def test_add_batch_is_add_of_the_record_with_those_fields():
-    """The Loader calls add_batch when no sink needs a record: the same summary."""
+def test_add_values_is_add_of_the_record_with_those_fields():
+    """The Loader calls add_values when no sink needs a record: the same summary."""
     rng = np.random.default_rng(3)
     records = [rec(step, float(rng.exponential(0.01)), 100.0 + step * 0.02, samples=int(rng.integers(1, 65)),
                    padded=int(rng.integers(0, 3)), read_seconds=float(rng.random()),
@@ -62,9 +62,7 @@ def test_add_batch_is_add_of_the_record_with_those_fields():
     by_record, by_values = StatsAggregator(window=7, top_k=4), StatsAggregator(window=7, top_k=4)
     for r in records:
         by_record.add(r)
-        by_values.add_batch(r.step, r.samples, r.padded, r.fetch_seconds, r.time, r.read_seconds,
-                            r.transform_seconds, r.shard_wait_seconds, r.queue_depth,
-                            r.cache_hits, r.cache_misses, r.bytes_downloaded)
+        by_values.add_values(r.to_dict())
     assert by_values.summary() == by_record.summary()
     assert by_values.slowest() == by_record.slowest()
 
