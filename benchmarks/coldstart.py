@@ -125,8 +125,9 @@ def _instrument() -> None:
     _timed(recording.BatchRecorder, "record", "record")
     _timed(pool.ProcessPool, "get", "pool_get")
     _timed(batches.BatchProducer, "__call__", "task", lambda a, k, out: {
-        "step": a[1].step, "read_s": out[1].read_seconds, "transform_s": out[1].transform_seconds,
-        "wait_s": out[1].download_wait_seconds, "extra": dict(out[1].extra)})
+        "step": a[1].step, "read_s": out[1].figures["read_seconds"],
+        "transform_s": out[1].figures["transform_seconds"],
+        "wait_s": out[1].figures["shard_wait_seconds"], "extra": dict(out[1].extra)})
     import gc
 
     started: dict[str, float] = {}

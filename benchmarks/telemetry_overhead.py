@@ -111,7 +111,7 @@ def sink_costs(tmp: str, tracking_uri: str, n: int = 20_000) -> list[list[object
 
     records = [BatchRecord(step=i, epoch=0, rank=0, samples=32, fetch_seconds=1e-4 * (i % 7),
                            time=1.8e9 + i / 100, read_seconds=1e-3, transform_seconds=2e-3,
-                           download_wait_seconds=0.0, queue_depth=2) for i in range(n)]
+                           shard_wait_seconds=0.0, queue_depth=2) for i in range(n)]
     rows = []
     for name in ("jsonl", "mlflow-thread"):
         if name == "jsonl":

@@ -121,4 +121,4 @@ def test_telemetry_counts_every_downloaded_byte_once(dataset_dir, http_server, t
     cold.close()
     assert len(batches) == len(cold)
     assert stats["bytes_downloaded"] == total
-    assert stats["download_wait_seconds_total"] <= stats["wall_seconds"] * max(1, workers)
+    assert stats["shard_wait_seconds_total"] <= stats["wall_seconds"] * max(1, workers)

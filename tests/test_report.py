@@ -35,7 +35,7 @@ def scenario(n: int = 200, *, compute: float = 0.02, fetch=lambda i: 0.0, read=0
         records.append(BatchRecord(
             step=i, epoch=epoch, rank=0, samples=samples, fetch_seconds=waited, time=t,
             read_seconds=read, transform_seconds=transform,
-            download_wait_seconds=download if waited > 0 else 0.0, queue_depth=0 if waited else 2,
+            shard_wait_seconds=download if waited > 0 else 0.0, queue_depth=0 if waited else 2,
             cache_hits=hits(i), cache_misses=1 - hits(i), bytes_downloaded=(1 - hits(i)) * 4_000_000,
         ))
     return records
@@ -47,7 +47,7 @@ def test_slow_storage_is_named_with_prefetch_and_cache_advice():
                        hits=lambda i: 0 if i % 4 == 0 else 1)
     report = analyse(records)
     assert report["cause"] == "storage"
-    a = report["attributed_wait_seconds"]
+    a = report["attributed_data_wait_seconds"]
     assert a["storage"] > 5 * a["decode"]
     text = " ".join(report["recommendations"])
     assert "prefetch window" in text
@@ -69,8 +69,8 @@ def test_fast_pipeline_is_none_and_warmup_is_left_out():
     records = scenario(fetch=lambda i: 3.0 if i == 0 else 0.0002, download=2.9)
     report = analyse(records)
     assert report["cause"] == "none"
-    assert report["wait_fraction"] > 0.4  # the cold start dominates the raw total...
-    assert report["steady_wait_fraction"] < 0.05  # ...but not the steady state
+    assert report["data_wait_fraction"] > 0.4  # the cold start dominates the raw total...
+    assert report["steady_data_wait_fraction"] < 0.05  # ...but not the steady state
     assert report["fetch_seconds"]["max"] == 3.0 and report["fetch_seconds"]["max_step"] == 0
     assert report["slowest"][0]["step"] == 0
     assert "No change needed" in report["recommendations"][0]
@@ -84,8 +84,8 @@ def test_wall_time_wait_quantiles_and_order_independence():
     wait = sum(r.fetch_seconds for r in records)
     wall = records[-1].time - (records[0].time - records[0].fetch_seconds)
     assert report["wall_seconds"] == pytest.approx(wall)
-    assert report["wait_seconds"] == pytest.approx(wait)
-    assert report["wait_fraction"] == pytest.approx(wait / wall)
+    assert report["data_wait_seconds"] == pytest.approx(wait)
+    assert report["data_wait_fraction"] == pytest.approx(wait / wall)
     assert report["samples_per_second"] == pytest.approx(3200 / wall)
     assert report["fetch_seconds"]["p50"] == pytest.approx(0.0045)
     assert report["fetch_seconds"]["max"] == pytest.approx(0.009)
@@ -98,7 +98,7 @@ def test_thinned_history_is_scaled_and_missing_fields_are_unknown():
     thinned = records[::10]
     report = analyse(thinned, fields={"fetch_seconds", "samples"})
     assert report["sampled_every"] == 10
-    assert report["wait_fraction"] == pytest.approx(analyse(records)["wait_fraction"], rel=0.01)
+    assert report["data_wait_fraction"] == pytest.approx(analyse(records)["data_wait_fraction"], rel=0.01)
     assert report["cause"] == "unknown"
     assert report["worker_seconds_per_batch"]["transform_seconds"] is None
     assert "no worker timings" in report["recommendations"][0]
@@ -178,7 +178,7 @@ def test_mlflow_run_report_reads_back_and_logs_artifacts(mlflow_local_store, tmp
     assert [r.transform_seconds for r in loaded] == [r.transform_seconds for r in records]
     assert [r.epoch for r in loaded] == [r.epoch for r in records]
     assert [r.time for r in loaded] == [int(r.time * 1000) / 1000 for r in records]
-    assert "download_wait_seconds" in fields and extra == {"gpu_idle_seconds": [(5, 0.002)]}
+    assert "shard_wait_seconds" in fields and extra == {"gpu_idle_seconds": [(5, 0.002)]}
     assert cli_main.main(["report", logger.run_id, "--tracking-uri", mlflow_local_store]) == 0
     out = capsys.readouterr().out
     assert "dominant cause     decode" in out

@@ -28,7 +28,7 @@ from shardloader.telemetry.stats import LogHistogram
 
 def rec(step: int, fetch: float, time: float, samples: int = 32, **kw) -> BatchRecord:
     base = dict(epoch=0, rank=0, read_seconds=0.0, transform_seconds=0.0,
-                download_wait_seconds=0.0, queue_depth=0)
+                shard_wait_seconds=0.0, queue_depth=0)
     base.update(kw)
     return BatchRecord(step=step, samples=samples, fetch_seconds=fetch, time=time, **base)
 
@@ -50,21 +50,19 @@ def test_batch_record_dict_round_trip_and_validation():
 
 
 # -- StatsAggregator -----------------------------------------------------------------------------
-def test_add_batch_is_add_of_the_record_with_those_fields():
-    """The Loader calls add_batch when no sink needs a record: the same summary."""
+def test_add_values_is_add_of_the_record_with_those_fields():
+    """The Loader calls add_values when no sink needs a record: the same summary."""
     rng = np.random.default_rng(3)
     records = [rec(step, float(rng.exponential(0.01)), 100.0 + step * 0.02, samples=int(rng.integers(1, 65)),
                    padded=int(rng.integers(0, 3)), read_seconds=float(rng.random()),
-                   transform_seconds=float(rng.random()), download_wait_seconds=float(rng.random()),
+                   transform_seconds=float(rng.random()), shard_wait_seconds=float(rng.random()),
                    queue_depth=int(rng.integers(0, 5)), cache_hits=int(rng.integers(0, 9)),
                    cache_misses=int(rng.integers(0, 9)), bytes_downloaded=int(rng.integers(0, 10**6)))
                for step in range(1, 300)]
     by_record, by_values = StatsAggregator(window=7, top_k=4), StatsAggregator(window=7, top_k=4)
     for r in records:
         by_record.add(r)
-        by_values.add_batch(r.step, r.samples, r.padded, r.fetch_seconds, r.time, r.read_seconds,
-                            r.transform_seconds, r.download_wait_seconds, r.queue_depth,
-                            r.cache_hits, r.cache_misses, r.bytes_downloaded)
+        by_values.add_values(r.to_dict())
     assert by_values.summary() == by_record.summary()
     assert by_values.slowest() == by_record.slowest()
 
@@ -88,7 +86,7 @@ def test_summary_totals_stall_fraction_window_and_slowest():
     fetches = [0.5, 0.0, 0.1, 0.0, 0.0, 0.2, 0.0, 0.05]
     for i, f in enumerate(fetches):
         agg.on_batch(rec(i, f, 10.0 + i, samples=10, transform_seconds=0.01, read_seconds=0.02,
-                         download_wait_seconds=0.03, queue_depth=i % 3, padded=1 if i == 7 else 0))
+                         shard_wait_seconds=0.03, queue_depth=i % 3, padded=1 if i == 7 else 0))
     s = agg.summary()
     assert s["batches"] == 8 and s["samples"] == 80 and s["padded"] == 1
     assert s["fetch_seconds_total"] == pytest.approx(sum(fetches))
@@ -101,7 +99,7 @@ def test_summary_totals_stall_fraction_window_and_slowest():
     assert s["stall_fraction_window"] == pytest.approx((0.0 + 0.2 + 0.0 + 0.05) / 3.0)
     assert s["samples_per_second_window"] == pytest.approx(40 / 3.0)
     assert s["transform_seconds_total"] == pytest.approx(0.08)
-    assert s["download_wait_seconds_total"] == pytest.approx(0.24)
+    assert s["shard_wait_seconds_total"] == pytest.approx(0.24)
     assert s["queue_depth_mean"] == pytest.approx(sum(i % 3 for i in range(8)) / 8)
     assert "cache_hit_ratio" not in s  # the cache was never consulted
     assert agg.slowest() == [{"step": 0, "fetch_seconds": 0.5}, {"step": 5, "fetch_seconds": 0.2},

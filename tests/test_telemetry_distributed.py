@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent("""
         record = BatchRecord(step=step, epoch=0, rank=rank, samples=8 + rank,
                              fetch_seconds=0.01 * (rank + 1) + step / 1000, time=100.0 + step,
                              read_seconds=0.0, transform_seconds=0.0,
-                             download_wait_seconds=0.0, queue_depth=0)
+                             shard_wait_seconds=0.0, queue_depth=0)
         agg.on_batch(record)
         logger.on_batch(record)
     logger.close()

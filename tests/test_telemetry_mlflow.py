@@ -39,7 +39,7 @@ def make_records(n: int, start: int = 0) -> list[BatchRecord]:
             step=i, epoch=i // 1000, rank=0, samples=64 - (i % 3),
             fetch_seconds=0.001 * (i % 17) + 1e-7 * i + 1 / 3,
             time=T0 + 0.0123 * i, read_seconds=0.002 + 1e-6 * i,
-            transform_seconds=0.01 + 1e-5 * (i % 11), download_wait_seconds=(i % 5) * 0.1,
+            transform_seconds=0.01 + 1e-5 * (i % 11), shard_wait_seconds=(i % 5) * 0.1,
             queue_depth=i % 4, cache_hits=i % 2, cache_misses=1 - i % 2,
             bytes_downloaded=(1 - i % 2) * 1_000_003, padded=0,
         )
@@ -336,7 +336,7 @@ TRAINER = textwrap.dedent("""
     for step in range(10):
         logger.on_batch(BatchRecord(step=step, epoch=0, rank=0, samples=4, fetch_seconds=0.1,
                                     time=1.8e9 + step, read_seconds=0.0, transform_seconds=0.0,
-                                    download_wait_seconds=0.0, queue_depth=0))
+                                    shard_wait_seconds=0.0, queue_depth=0))
     assert logger.flush(60)
     context = multiprocessing.get_context("fork")
     started = context.Event()
@@ -409,7 +409,7 @@ EXITS_WITHOUT_CLOSE = textwrap.dedent("""
     for step in range(25):
         logger.on_batch(BatchRecord(step=step, epoch=0, rank=0, samples=4, fetch_seconds=step,
                                     time=1.8e9 + step, read_seconds=0.0, transform_seconds=0.0,
-                                    download_wait_seconds=0.0, queue_depth=0))
+                                    shard_wait_seconds=0.0, queue_depth=0))
     print(logger.wait_run_id(60), flush=True)
     # no close(): the interpreter exits with the records still queued (flush_interval 60 s)
 """)

@@ -78,7 +78,7 @@ class Job:
 def records(n: int) -> list[BatchRecord]:
     return [BatchRecord(step=i, epoch=0, rank=0, samples=4, fetch_seconds=0.001 * i + 1 / 3,
                         time=1.79e9 + i, read_seconds=0.0, transform_seconds=0.0,
-                        download_wait_seconds=0.0, queue_depth=1) for i in range(n)]
+                        shard_wait_seconds=0.0, queue_depth=1) for i in range(n)]
 
 
 def experiment_id(client: MlflowClient, name: str) -> str:

@@ -469,7 +469,7 @@ def test_a_sigkilled_trainer_leaves_no_worker_under_forkserver(dataset_dir, tmp_
 
 _TARGET = """
 import sys, time
-from shardloader.runtime.child_process import this_process
+from shardloader.runtime.liveness import this_process
 me = this_process()
 print(me.pid, me.start, flush=True)
 time.sleep(600)
@@ -477,7 +477,8 @@ time.sleep(600)
 
 _WATCHER = """
 import os, sys, time
-from shardloader.runtime.child_process import ProcessIdentity, die_with
+from shardloader.runtime.child_process import die_with
+from shardloader.runtime.liveness import ProcessIdentity
 if sys.argv[3] == "poll":
     del os.pidfd_open  # as on a kernel without pidfds: the polling fallback
 die_with(ProcessIdentity(int(sys.argv[1]), int(sys.argv[2])), use_signal=False, poll_seconds=0.05)

@@ -61,11 +61,14 @@ log = logging.getLogger(__name__)
 # Releaser: closes this process's idle shard readers (unpinning them); returns how many.
 Releaser = Callable[[], int]
 
+#: This process's counters. peer_download_wait_seconds: time a reader waited for another
+#: thread's or process's download of the shard it wanted (its lock); a part of the reading
+#: thread's `shard_wait_seconds` (telemetry), which also counts its own downloads.
 COUNTER_NAMES = (
-    "cache_hits", "cache_misses", "bytes_downloaded", "download_seconds", "wait_seconds",
-    "verify_seconds", "downloads", "prefetched", "retries", "evictions", "bytes_evicted",
-    "corrupt_refetched", "redownloads", "idle_released", "full_waits", "bytes_from_cache",
-    "bytes_redownloaded",
+    "cache_hits", "cache_misses", "bytes_downloaded", "download_seconds",
+    "peer_download_wait_seconds", "verify_seconds", "downloads", "prefetched", "retries",
+    "evictions", "bytes_evicted", "corrupt_refetched", "redownloads", "idle_released",
+    "full_waits", "bytes_from_cache", "bytes_redownloaded",
 )
 
 
@@ -402,7 +405,7 @@ class ShardCache:
 
     def _count_wait(self, seconds: float) -> None:
         with self._mutex:
-            self.counters["wait_seconds"] += seconds
+            self.counters["peer_download_wait_seconds"] += seconds
 
     def bookkeeping(self) -> contextlib.AbstractContextManager[None]:
         """The node-wide lock over sizes, reservations and eviction."""

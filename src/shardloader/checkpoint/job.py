@@ -23,7 +23,7 @@ from typing import Any
 from shardloader.checkpoint.storage import LocalStore, Store
 from shardloader.errors import CheckpointError, FetchError
 from shardloader.io.jsondata import parse_json
-from shardloader.runtime.child_process import launch_time
+from shardloader.runtime.liveness import launch_time
 from shardloader.telemetry.job import layout
 from shardloader.telemetry.job.live import running_elsewhere
 from shardloader.telemetry.job.recorder import AttemptRecorder, open_attempt

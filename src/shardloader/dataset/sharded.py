@@ -131,7 +131,11 @@ class Dataset:
         another process's download, verification): the storage share of reading time."""
         if os.getpid() != self._pid:
             self._reset_process_state()
-        return getattr(self._thread, "wait_seconds", 0.0)
+        return getattr(self._thread, "shard_wait_seconds", 0.0)
+
+    def _add_shard_wait(self, seconds: float) -> None:
+        """Count `seconds` this thread waited for a shard file (or its rows, by range)."""
+        self._thread.shard_wait_seconds = getattr(self._thread, "shard_wait_seconds", 0.0) + seconds
 
     # -- pickling: only the description travels, never open files ------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -205,8 +209,7 @@ class Dataset:
         try:  # network time: the storage share of reading, as a wait for a download
             got = self.source.read_by_range([(self.index.shards[shard], rows) for shard, rows in todo])
         finally:
-            waited = time.perf_counter() - start
-            self._thread.wait_seconds = getattr(self._thread, "wait_seconds", 0.0) + waited
+            self._add_shard_wait(time.perf_counter() - start)
         out = {}
         for pos, records in got.items():
             shard = todo[pos][0]
@@ -315,8 +318,7 @@ class Dataset:
                     raise
                 continue
             finally:
-                waited = time.perf_counter() - start
-                self._thread.wait_seconds = getattr(self._thread, "wait_seconds", 0.0) + waited
+                self._add_shard_wait(time.perf_counter() - start)
             expect = self.source.verified_identity(info)
             try:
                 return open_shard(info, path, self.index.schema, expect=expect)

@@ -25,7 +25,8 @@ from shardloader.loader.protocol import KeyedReads, LoaderDataset
 from shardloader.order.global_rngs import LazyGlobalRngScope
 from shardloader.order.seeding import sample_keys
 from shardloader.runtime.startup import paused_gc
-from shardloader.source.protocol import counter_delta, job_counter_delta
+from shardloader.source.protocol import BATCH_COUNTERS, counter_delta, job_counter_delta
+from shardloader.telemetry.records import worker_figures
 from shardloader.transforms.base import Compose, accepts_generator
 from shardloader.transforms.fused import DecodeCropFlip
 from shardloader.transforms.tensor import ToTensor, hwc_to_chw
@@ -49,14 +50,13 @@ class BatchTask:
 
 @dataclass
 class BatchTimings:
-    """Where a worker spent its time on one batch (seconds), plus cache counters."""
+    """What a worker measured on one batch. `figures`: the worker-measured fields of
+    telemetry's `BatchRecord` by name (`records.WORKER_FIELDS`: where its time went, in
+    seconds, and its cache counters), which the training process copies into the batch's
+    record as they are; a new worker figure is set here by name and declared in `BatchRecord`.
+    `extra`: counters for the job's account only (`source.protocol.JOB_COUNTERS`)."""
 
-    read_seconds: float = 0.0
-    transform_seconds: float = 0.0
-    download_wait_seconds: float = 0.0
-    cache_hits: int = 0
-    cache_misses: int = 0
-    bytes_downloaded: int = 0
+    figures: dict[str, float] = field(default_factory=worker_figures)
     extra: dict[str, float] = field(default_factory=dict)
 
 
@@ -112,6 +112,7 @@ class BatchProducer:
 
     def __call__(self, task: BatchTask) -> tuple[Any, BatchTimings]:
         timings = BatchTimings()
+        figures = timings.figures
         source = self.dataset.source
         before = source.counters() if self.report_cache_counters and source.counts_reads else None
         wait_before = self.dataset.shard_wait_seconds()
@@ -137,11 +138,11 @@ class BatchProducer:
         t1 = time.perf_counter()
         # Waiting for shard files (a download, another process's download, verification) is
         # measured by this thread alone, so prefetch threads' downloads never inflate it.
-        timings.download_wait_seconds = self.dataset.shard_wait_seconds() - wait_before
-        timings.read_seconds = max(0.0, t1 - t0 - timings.download_wait_seconds)
+        shard_wait = figures["shard_wait_seconds"] = self.dataset.shard_wait_seconds() - wait_before
+        figures["read_seconds"] = max(0.0, t1 - t0 - shard_wait)
         if before is not None:
             after = source.counters()
-            timings.cache_hits, timings.cache_misses, timings.bytes_downloaded = counter_delta(before, after)
+            figures.update(zip(BATCH_COUNTERS, counter_delta(before, after), strict=True))
             timings.extra.update(job_counter_delta(before, after))
         batch = self._direct_batch(task, records, samples) if self._direct is not None else None
         if batch is None:
@@ -151,7 +152,7 @@ class BatchProducer:
                 if self.transform is not None:
                     records = self._transform_all(task, records, samples)
                 batch = self.collate_fn(records)
-        timings.transform_seconds = time.perf_counter() - t1
+        figures["transform_seconds"] = time.perf_counter() - t1
         return batch, timings
 
     def warm_up(self) -> None:

@@ -1,6 +1,12 @@
 """Per-batch telemetry of one epoch: a `BatchRecord` for each delivered batch, with its cache
 counters, to the Loader's summary (`StatsAggregator`) and its telemetry sink.
 
+A batch's figures are one dict of every `BatchRecord` field: what the worker measured
+(`BatchTimings.figures`, copied by name) and what is measured here, in the training process
+(its step, `fetch_seconds`, `queue_depth`, ...). Without a sink the summary takes that dict
+(`StatsAggregator.add_values`); with one, it becomes the record. Both see every field, so a
+new worker figure needs no line here, and one measured here is one entry of that dict.
+
 A batch's cache counters are the worker's (it reports what its reads cost with the batch) plus,
 when the source counts anything, what this (the training) process counted since the batch
 before: the prefetcher's downloads, and with num_workers=0 or thread workers the reads too.
@@ -22,12 +28,13 @@ import weakref
 from typing import Any
 
 from shardloader.loader.batches import BatchTask, BatchTimings
-from shardloader.source.protocol import ShardSource, counter_delta, job_counter_delta
-
-#: telemetry.records.BatchRecord, imported on the first batch recorded. Not a `from ... import`
-#: inside `record`: with the caches cold from the training step, that statement alone cost
-#: ~15 us per next() (39 -> 54 us for the record, measured).
-_BatchRecord: Any = None
+from shardloader.source.protocol import (
+    BATCH_COUNTERS,
+    ShardSource,
+    counter_delta,
+    job_counter_delta,
+)
+from shardloader.telemetry.records import BatchRecord
 
 #: source -> (pid, its counters when this process last reported them to the job's account).
 _JOB_SEEN: weakref.WeakKeyDictionary[Any, tuple[int, dict[str, float]]] = weakref.WeakKeyDictionary()
@@ -63,32 +70,22 @@ class BatchRecorder:
     def record(self, task: BatchTask, timings: BatchTimings, fetch_seconds: float, queue_depth: int) -> None:
         """Record the batch of `task`, delivered now after `fetch_seconds` in `next()`."""
         stats, telemetry = self.stats, self.telemetry
-        self._worker_job = (timings.bytes_downloaded, timings.extra)
+        self._worker_job = (timings.figures.get("bytes_downloaded", 0), timings.extra)
         if stats is None and telemetry is None:
             return
-        hits, misses, downloaded = timings.cache_hits, timings.cache_misses, timings.bytes_downloaded
-        if self._counts_locally:
-            local_hits, local_misses, local_downloaded = self._local_counter_delta()
-            hits += local_hits
-            misses += local_misses
-            downloaded += local_downloaded
-        step, delivered = self.epoch * self.steps + task.step + 1, time.time()
+        values = {
+            **timings.figures,
+            "step": self.epoch * self.steps + task.step + 1, "epoch": self.epoch,
+            "rank": self.rank, "samples": task.size, "padded": task.padded,
+            "fetch_seconds": fetch_seconds, "time": time.time(), "queue_depth": queue_depth,
+        }
+        if self._counts_locally:  # this process's reads and downloads since the last batch
+            for name, gained in zip(BATCH_COUNTERS, self._local_counter_delta(), strict=True):
+                values[name] += gained
         if telemetry is None:  # the summary alone: no record to build
-            stats.add_batch(
-                step, task.size, task.padded, fetch_seconds, delivered, timings.read_seconds,
-                timings.transform_seconds, timings.download_wait_seconds, queue_depth, hits,
-                misses, downloaded)
+            stats.add_values(values)
             return
-        global _BatchRecord
-        if _BatchRecord is None:
-            from shardloader.telemetry.records import BatchRecord as _BatchRecord
-        record = _BatchRecord(
-            step=step, epoch=self.epoch, rank=self.rank,
-            samples=task.size, fetch_seconds=fetch_seconds, time=delivered,
-            read_seconds=timings.read_seconds, transform_seconds=timings.transform_seconds,
-            download_wait_seconds=timings.download_wait_seconds, queue_depth=queue_depth,
-            cache_hits=hits, cache_misses=misses, bytes_downloaded=downloaded, padded=task.padded,
-        )
+        record = BatchRecord(**values)
         if stats is not None:
             stats.on_batch(record)
         telemetry.on_batch(record)

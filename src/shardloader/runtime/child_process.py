@@ -5,8 +5,8 @@ A training process can die by any signal, SIGKILL included (preemption, the OOM 
 watches the training process itself, never merely "its parent": under multiprocessing's
 "forkserver" start method a worker's parent is the fork server, a process that outlives the
 training process for as long as any of its children holds the server's "alive" pipe (each
-of them does). The training process names itself with `this_process()` (its pid and its start
-time, so that a pid recycled after its death is never taken for it) and the child calls
+of them does). The training process names itself with `liveness.this_process()` (its pid and
+its start time, so that a pid recycled after its death is never taken for it) and the child calls
 `die_with(that)` first thing:
 
 - Linux 5.3 and later: a pidfd of the training process (`os.pidfd_open`), opened first and
@@ -14,10 +14,9 @@ time, so that a pid recycled after its death is never taken for it) and the chil
   names one process for good and becomes readable when it ends (a zombie counts as ended), so
   a daemon thread blocked on it exits the child without polling and without any pid race.
 - Where there is no pidfd (older kernels, a seccomp filter that refuses it, other systems), a
-  daemon thread checks every `PARENT_POLL_SECONDS` that the process is still there:
-  `/proc/<pid>/stat` with the same start time and not a zombie, and for a parent that it
-  still is this child's parent (`os.getppid()`); without /proc, `os.kill(pid, 0)` (a zombie
-  there counts as alive until it is reaped).
+  daemon thread checks every `PARENT_POLL_SECONDS` that the process is still there
+  (`shardloader.runtime.liveness.is_alive`: the pid, with the same start time, no zombie),
+  and for a parent that it still is this child's parent (`os.getppid()`).
 - And where the training process is the child's parent (fork, spawn, subprocess), the kernel
   kills the child at once when it dies (`prctl(PR_SET_PDEATHSIG)`). The kernel ties that
   signal to the *thread* that forked the child: a worker pool forked by a short-lived thread
@@ -49,8 +48,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TypeVar
+
+from shardloader.runtime.liveness import ProcessIdentity, is_alive
 
 T = TypeVar("T")
 
@@ -58,60 +58,11 @@ _PR_SET_PDEATHSIG = 1
 PARENT_POLL_SECONDS = 0.5
 
 
-@dataclass(frozen=True)
-class ProcessIdentity:
-    """One process, as its children watch it: its pid and its start time (clock ticks after
-    boot, field 22 of /proc/<pid>/stat; None where unknown: no /proc, or a parent's pid
-    passed on a command line)."""
-
-    pid: int
-    start: int | None
-
-
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time) of `pid` from /proc, or None when it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    rest = text[text.rindex(")") + 2:].split()  # the command name may hold spaces and ')'
-    return rest[0], int(rest[19])
-
-
-def _has_proc() -> bool:
-    return os.path.exists("/proc/self/stat")
-
-
-def identity_of(pid: int) -> ProcessIdentity:
-    """The identity of process `pid` now (its start time None when /proc does not know it)."""
-    stat = _stat(pid) if _has_proc() else None
-    return ProcessIdentity(pid, None if stat is None else stat[1])
-
-
-def this_process() -> ProcessIdentity:
-    """This process's identity, for the children it starts to watch."""
-    stat = _stat(os.getpid()) if _has_proc() else None
-    return ProcessIdentity(os.getpid(), None if stat is None else stat[1])
-
-
-def is_alive(process: ProcessIdentity, *, parent: bool = False) -> bool:
-    """Whether `process` still runs (a zombie has ended). Called in the watching child;
-    `parent`: `process` was this child's parent when the watch began. A parent is watched
-    through `os.getppid()`, which is exact: a re-parented child never gets that pid back."""
-    stat = _stat(process.pid) if _has_proc() else None
-    if process.start is not None and _has_proc() and (
-            stat is None or stat[0] in ("Z", "X") or stat[1] != process.start):
-        return False
-    if parent:
-        return os.getppid() == process.pid
-    if _has_proc():
-        return stat is not None and stat[0] not in ("Z", "X")
-    try:  # no /proc: a zombie still counts as alive here, until it is reaped
-        os.kill(process.pid, 0)
-    except OSError:  # gone, or a recycled pid of another user's
-        return False
-    return True
+def _still_there(process: ProcessIdentity, parent: bool) -> bool:
+    """Whether the watched `process` still runs (`shardloader.runtime.liveness.is_alive`);
+    `parent`: it was this child's parent when the watch began, and is watched through
+    `os.getppid()` as well, which is exact: a re-parented child never gets that pid back."""
+    return is_alive(process) and (not parent or os.getppid() == process.pid)
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
@@ -154,7 +105,7 @@ def _wait_for_end(pidfd: int, process: ProcessIdentity, parent: bool, poll_secon
 
 
 def _poll_until_gone(process: ProcessIdentity, parent: bool, poll_seconds: float) -> None:
-    while is_alive(process, parent=parent):
+    while _still_there(process, parent):
         time.sleep(poll_seconds)
     os._exit(1)
 
@@ -173,7 +124,7 @@ def die_with(process: ProcessIdentity, *, use_signal: bool = True,
     pidfd = _open_pidfd(process.pid)
     # After the signal was armed and the pidfd opened: the process (still) is the one named,
     # so the pidfd names it, and a death before the signal was armed is seen here.
-    if not is_alive(process, parent=parent):
+    if not _still_there(process, parent):
         os._exit(1)
     if pidfd is not None:
         target, args = _wait_for_end, (pidfd, process, parent, poll_seconds)
@@ -253,19 +204,3 @@ def start_children(function: Callable[[], T], *, timeout: float) -> T:
     except concurrent.futures.TimeoutError:
         future.cancel()
         raise TimeoutError(f"starting child processes took longer than {timeout} s") from None
-
-
-def launch_time(pid: int | None = None) -> float | None:
-    """When process `pid` (default: this one) started, in unix seconds, or None without /proc
-    or without that process: its start time in /proc (clock ticks after boot) against the time
-    since boot now (/proc/uptime), both to 10 ms. For this process it counts the interpreter's
-    start and the imports, which a clock read in the program misses."""
-    stat = _stat(os.getpid() if pid is None else pid) if _has_proc() else None
-    if stat is None or stat[0] in ("Z", "X"):  # gone, or exited and not reaped yet
-        return None
-    try:
-        with open("/proc/uptime", "rb") as f:
-            uptime = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return time.time() - (uptime - stat[1] / os.sysconf("SC_CLK_TCK"))

@@ -53,7 +53,8 @@ def end_with_launcher() -> bool:
         return False
     if _watching_launcher == os.getpid():
         return True
-    from shardloader.runtime.child_process import die_with, identity_of
+    from shardloader.runtime.child_process import die_with
+    from shardloader.runtime.liveness import identity_of
 
     die_with(identity_of(os.getppid()), use_signal=False)
     _watching_launcher = os.getpid()

@@ -22,7 +22,7 @@ from shardloader.io.identity import FileIdentity
 #: Cache counters every batch reports (telemetry `BatchRecord` fields of the same names).
 BATCH_COUNTERS = ("cache_hits", "cache_misses", "bytes_downloaded")
 #: Counters every source's `counters()` holds (zeros for a source that counts nothing).
-SOURCE_COUNTERS = (*BATCH_COUNTERS, "download_seconds", "wait_seconds")
+SOURCE_COUNTERS = (*BATCH_COUNTERS, "download_seconds", "peer_download_wait_seconds")
 
 
 #: Counters the job's account takes per batch beside `BATCH_COUNTERS` (a source may lack any:
@@ -134,7 +134,8 @@ class ShardSource(Protocol):
 
     def counters(self) -> dict[str, float]:
         """This process's counters: at least `SOURCE_COUNTERS` (cache_hits, cache_misses,
-        bytes_downloaded, download_seconds, wait_seconds); zeros for a local source."""
+        bytes_downloaded, download_seconds, peer_download_wait_seconds); zeros for a local
+        source."""
         return dict.fromkeys(SOURCE_COUNTERS, 0)
 
 

@@ -464,7 +464,8 @@ class RemoteSource(ShardSource):
 
     def counters(self) -> dict[str, float]:
         """This process's cache counters: cache_hits, cache_misses, bytes_downloaded,
-        download_seconds, wait_seconds, and more (verify_seconds, evictions, retries, ...)."""
+        download_seconds, peer_download_wait_seconds, and more (verify_seconds, evictions,
+        retries, ...)."""
         if self._store_obj is None or self._pid != os.getpid():
             out: dict[str, float] = dict.fromkeys(COUNTER_NAMES, 0)
         else:

@@ -9,7 +9,7 @@ How the cause is decided. The first `warmup_steps` batches (worker start-up, fir
 are reported but left out of the diagnosis. If, after them, the loop waited less than
 `none_threshold` of wall time, the cause is "none". Otherwise every batch the loop waited for
 (fetch_seconds > `stall_seconds`) lends its waiting time to the worker-side costs of that
-batch in proportion: download wait and row reads to "storage", decode + augment to "decode".
+batch in proportion: shard wait and row reads to "storage", decode + augment to "decode".
 The larger share is the dominant cause. If no worker timings were recorded, it is "unknown".
 """
 
@@ -30,7 +30,7 @@ from shardloader.telemetry.records import (
 )
 
 CAUSES = ("storage", "decode", "none", "unknown")
-_WORKER_FIELDS = ("read_seconds", "transform_seconds", "download_wait_seconds")
+_WORKER_FIELDS = ("read_seconds", "transform_seconds", "shard_wait_seconds")
 
 
 def analyse(
@@ -82,11 +82,11 @@ def analyse(
         "epochs": sorted({r.epoch for r in ordered}) if "epoch" in known else None,
         "ranks": sorted({r.rank for r in ordered}),
         "wall_seconds": wall,
-        "wait_seconds": wait,
-        "wait_fraction": min(wait / wall, 1.0) if wall > 0 else 0.0,
+        "data_wait_seconds": wait,
+        "data_wait_fraction": min(wait / wall, 1.0) if wall > 0 else 0.0,
         "warmup_steps": warm,
-        "steady_wait_seconds": steady_wait,
-        "steady_wait_fraction": steady_fraction,
+        "steady_data_wait_seconds": steady_wait,
+        "steady_data_wait_fraction": steady_fraction,
         "samples": samples if "samples" in known else None,
         "samples_per_second": samples / wall if wall > 0 and "samples" in known else None,
         "fetch_seconds": {
@@ -109,7 +109,7 @@ def analyse(
         },
     }
     attribution = _attribute(steady, steady_fetch, known, stall_seconds)
-    report["attributed_wait_seconds"] = attribution
+    report["attributed_data_wait_seconds"] = attribution
     report["cause"] = _cause(steady_fraction, attribution, none_threshold, known)
     report["recommendations"] = _recommend(report)
     return report
@@ -187,13 +187,13 @@ def _series_summary(values: Sequence[tuple[int, float]]) -> dict[str, float]:
 def _attribute(steady: Sequence[BatchRecord], steady_fetch: np.ndarray, known: Collection[str],
                stall_seconds: float) -> dict[str, float]:
     """Split the steady-state waiting time between storage and decode (see module doc)."""
-    storage_known = bool({"download_wait_seconds", "read_seconds"} & set(known))
+    storage_known = bool({"shard_wait_seconds", "read_seconds"} & set(known))
     decode_known = "transform_seconds" in known
     storage = decode = unexplained = 0.0
     for record, waited in zip(steady, steady_fetch, strict=True):
         if waited <= stall_seconds:
             continue
-        s = (record.download_wait_seconds + record.read_seconds) if storage_known else 0.0
+        s = (record.shard_wait_seconds + record.read_seconds) if storage_known else 0.0
         d = record.transform_seconds if decode_known else 0.0
         if s + d <= 0:
             unexplained += waited
@@ -220,7 +220,7 @@ def _ms(seconds: float | None) -> str:
 
 def _recommend(report: Mapping[str, Any]) -> list[str]:
     cause = report["cause"]
-    fraction = report["steady_wait_fraction"]
+    fraction = report["steady_data_wait_fraction"]
     per_batch = report["worker_seconds_per_batch"]
     step = report["step_seconds"]
     cache = report["cache"] or {}
@@ -234,11 +234,11 @@ def _recommend(report: Mapping[str, Any]) -> list[str]:
     if cause == "unknown":
         out.append(
             f"The loop waited {fraction:.1%} of wall time for data, but no worker timings were "
-            "recorded; log read/transform/download_wait seconds to find the cause."
+            "recorded; log read/transform/shard_wait seconds to find the cause."
         )
         return out
     if cause == "storage":
-        download = per_batch.get("download_wait_seconds") or 0.0
+        download = per_batch.get("shard_wait_seconds") or 0.0
         read = per_batch.get("read_seconds") or 0.0
         if download >= read:
             out.append(

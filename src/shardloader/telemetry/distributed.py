@@ -12,13 +12,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardloader.runtime.distenv import process_group_active
+from shardloader.telemetry.records import SUMMARY_KEYS
 
 _GLOO_GROUP: Any = None
 
+#: Summed over ranks: the batch count, every metric's total (not a level's mean: a mean of
+#: means is no sum) and the rates.
 _SUMMED = (
-    "batches", "samples", "padded", "fetch_seconds_total", "read_seconds_total",
-    "transform_seconds_total", "download_wait_seconds_total", "cache_hits", "cache_misses",
-    "bytes_downloaded", "samples_per_second", "samples_per_second_window",
+    "batches", *(key for name, key in SUMMARY_KEYS.items() if key != f"{name}_mean"),
+    "samples_per_second", "samples_per_second_window",
 )
 _MAXED = (
     "fetch_seconds_max", "fetch_seconds_p50", "fetch_seconds_p95", "fetch_seconds_p99",

@@ -15,6 +15,7 @@ from shardloader.telemetry.records import (
     LOGGABLE_FIELDS,
     BatchRecord,
     TelemetryInputError,
+    old_names,
 )
 from shardloader.telemetry.sinks import read_jsonl
 
@@ -53,9 +54,11 @@ def records_from_mlflow(
     suffix = "" if rank is None else f"/rank{rank}"
     histories: dict[str, list[Any]] = {}
     for name in LOGGABLE_FIELDS:
-        history = client.get_metric_history(run_id, f"{prefix}{name}{suffix}")
-        if history:
-            histories[name] = history
+        for logged in (name, *old_names(name)):  # a run logged before the field was renamed
+            history = client.get_metric_history(run_id, f"{prefix}{logged}{suffix}")
+            if history:
+                histories[name] = history
+                break
     if "fetch_seconds" not in histories:
         logged = sorted(client.get_run(run_id).data.metrics)
         raise TelemetryInputError(
@@ -72,9 +75,8 @@ def records_from_mlflow(
             continue
         data: dict[str, Any] = {"step": step, "time": timestamp / 1000.0,
                                 "rank": rank or 0, "epoch": 0}
-        for name in LOGGABLE_FIELDS:
-            value = values.get(name, 0.0)
-            data[name] = int(value) if name in _INT_FIELDS else float(value)
+        for name in LOGGABLE_FIELDS:  # from_dict makes an int field's whole float an int
+            data[name] = values.get(name, 0)
         records.append(BatchRecord.from_dict(data, where=f"MLflow run {run_id} step {step}"))
     extra = {}
     for name in extra_metrics:
@@ -83,6 +85,3 @@ def records_from_mlflow(
             extra[name] = [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)]
     return records, set(histories), extra
 
-
-_INT_FIELDS = frozenset({"epoch", "samples", "queue_depth", "cache_hits", "cache_misses",
-                         "bytes_downloaded", "padded"})

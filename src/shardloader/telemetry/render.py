@@ -45,9 +45,9 @@ def render_text(report: Mapping[str, Any], *, title: str | None = None) -> str:
     if report.get("epochs"):
         lines.append(f"epochs             {', '.join(map(str, report['epochs']))}")
     lines.append(f"wall time          {_fmt_seconds(report['wall_seconds'])}")
-    lines.append(f"waiting for data   {_fmt_seconds(report['wait_seconds'])} "
-                 f"({report['wait_fraction']:.1%} of wall time; "
-                 f"{report['steady_wait_fraction']:.1%} after {report['warmup_steps']} warm-up "
+    lines.append(f"waiting for data   {_fmt_seconds(report['data_wait_seconds'])} "
+                 f"({report['data_wait_fraction']:.1%} of wall time; "
+                 f"{report['steady_data_wait_fraction']:.1%} after {report['warmup_steps']} warm-up "
                  f"step{'s' if report['warmup_steps'] != 1 else ''})")
     if report.get("samples_per_second") is not None:
         lines.append(f"samples/s          {report['samples_per_second']:,.1f}")
@@ -56,8 +56,8 @@ def render_text(report: Mapping[str, Any], *, title: str | None = None) -> str:
                  f"(step {f['max_step']})")
     w = report["worker_seconds_per_batch"]
     lines.append(f"worker time/batch  read {_fmt_seconds(w['read_seconds'])}   decode "
-                 f"{_fmt_seconds(w['transform_seconds'])}   download wait "
-                 f"{_fmt_seconds(w['download_wait_seconds'])}")
+                 f"{_fmt_seconds(w['transform_seconds'])}   shard wait "
+                 f"{_fmt_seconds(w['shard_wait_seconds'])}")
     if report.get("step_seconds") is not None:
         lines.append(f"training step      {_fmt_seconds(report['step_seconds'])} (median, outside "
                      "next(loader))")
@@ -73,17 +73,17 @@ def render_text(report: Mapping[str, Any], *, title: str | None = None) -> str:
                      f"   p95 {_fmt_seconds(s['p95'])}   max {_fmt_seconds(s['max'])}")
     lines.append("")
     lines.append("slowest batches")
-    lines.append(f"  {'step':>8} {'epoch':>5} {'fetch':>10} {'dl wait':>10} {'read':>10} "
+    lines.append(f"  {'step':>8} {'epoch':>5} {'fetch':>10} {'shard wait':>10} {'read':>10} "
                  f"{'decode':>10} {'queue':>5}")
     for row in report["slowest"]:
         queue = "?" if row["queue_depth"] is None else str(row["queue_depth"])
         lines.append(
             f"  {row['step']:>8} {row['epoch']:>5} {_fmt_seconds(row['fetch_seconds']):>10} "
-            f"{_fmt_seconds(row['download_wait_seconds']):>10} "
+            f"{_fmt_seconds(row['shard_wait_seconds']):>10} "
             f"{_fmt_seconds(row['read_seconds']):>10} "
             f"{_fmt_seconds(row['transform_seconds']):>10} {queue:>5}"
         )
-    a = report["attributed_wait_seconds"]
+    a = report["attributed_data_wait_seconds"]
     lines.append("")
     lines.append(f"waiting attributed storage {_fmt_seconds(a['storage'])}   decode "
                  f"{_fmt_seconds(a['decode'])}   unexplained {_fmt_seconds(a['unexplained'])}")

@@ -6,20 +6,32 @@ relative width `2 * relative_accuracy`, so every quantile it reports is within
 `relative_accuracy` (default 1%) of a value that was really observed at that rank, whatever
 the number of batches. Memory is bounded by the value range: between 1 ns and 1 hour there are
 fewer than 1,300 buckets. The maximum and the top-k slowest batches are exact.
+
+Every metric field of `BatchRecord` is summed, whatever it is: the summary names each by
+`records.SUMMARY_KEYS`, so a new field reaches `loader.stats()` without a line here.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+import operator
 import threading
 from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from shardloader.telemetry.records import BatchRecord
+from shardloader.telemetry.records import FIELD_KINDS, METRIC_FIELDS, SUMMARY_KEYS, BatchRecord
 
 _TINY = 1e-9  # values at or below this (seconds) count as zero
+
+#: A batch as one tuple: (step, time, *METRIC_FIELDS), from a record or from its field values.
+_ROW_OF_RECORD = operator.attrgetter("step", "time", *METRIC_FIELDS)
+_ROW_OF_VALUES = operator.itemgetter("step", "time", *METRIC_FIELDS)
+_FETCH = 2 + METRIC_FIELDS.index("fetch_seconds")
+_SAMPLES = 2 + METRIC_FIELDS.index("samples")
+#: Metric fields summarised as a mean over batches (a level, such as queue_depth).
+_MEANS = frozenset(name for name, key in SUMMARY_KEYS.items() if key == f"{name}_mean")
 
 
 class LogHistogram:
@@ -82,17 +94,9 @@ class StatsAggregator:
         with self._lock:
             self._hist = LogHistogram(self._relative_accuracy)
             self._batches = 0
-            self._samples = 0
-            self._padded = 0
-            self._fetch_total = 0.0
+            #: The running sum of each of METRIC_FIELDS, in that order.
+            self._sums: list[float] = [FIELD_KINDS[name](0) for name in METRIC_FIELDS]
             self._fetch_max = 0.0
-            self._read_total = 0.0
-            self._transform_total = 0.0
-            self._download_wait_total = 0.0
-            self._queue_depth_total = 0
-            self._hits = 0
-            self._misses = 0
-            self._bytes = 0
             self._first_start: float | None = None  # when the first fetch began
             self._last_time: float | None = None
             # Window of (fetch_seconds, delivered time, samples) with running sums.
@@ -115,31 +119,22 @@ class StatsAggregator:
         return None
 
     def add(self, record: BatchRecord) -> None:
-        self.add_batch(record.step, record.samples, record.padded, record.fetch_seconds,
-                       record.time, record.read_seconds, record.transform_seconds,
-                       record.download_wait_seconds, record.queue_depth, record.cache_hits,
-                       record.cache_misses, record.bytes_downloaded)
+        self._add_row(_ROW_OF_RECORD(record))
 
-    def add_batch(self, step: int, samples: int, padded: int, fetch: float, time: float,
-                  read: float, transform: float, download_wait: float, queue_depth: int,
-                  hits: int, misses: int, downloaded: int) -> None:
-        """`add` of a record with these fields, without making the record: the Loader calls
-        this inside next() when no other sink needs one (a BatchRecord cost ~15 us there)."""
+    def add_values(self, values: Mapping[str, float]) -> None:
+        """`add` of the record these field values make, without making it: the Loader calls
+        this inside next() when no other sink needs a record (a BatchRecord cost ~15 us there).
+        `values` holds every field of `BatchRecord` by name."""
+        self._add_row(_ROW_OF_VALUES(values))
+
+    def _add_row(self, row: tuple[Any, ...]) -> None:
+        step, time, fetch, samples = row[0], row[1], row[_FETCH], row[_SAMPLES]
         with self._lock:
             self._batches += 1
-            self._samples += samples
-            self._padded += padded
-            self._fetch_total += fetch
+            self._sums = list(map(operator.add, self._sums, row[2:]))
             if fetch > self._fetch_max:
                 self._fetch_max = fetch
             self._hist.add(fetch)
-            self._read_total += read
-            self._transform_total += transform
-            self._download_wait_total += download_wait
-            self._queue_depth_total += queue_depth
-            self._hits += hits
-            self._misses += misses
-            self._bytes += downloaded
             if self._first_start is None:
                 self._first_start = time - fetch
             self._last_time = time
@@ -161,38 +156,30 @@ class StatsAggregator:
     def summary(self) -> dict[str, float]:
         """A flat dict of numbers (ready for `log_metrics`).
 
-        Keys: batches, samples, padded, fetch_seconds_{total,mean,p50,p95,p99,max},
+        Keys: batches; every metric field under its `SUMMARY_KEYS` name (samples, padded,
+        {fetch,read,transform,shard_wait}_seconds_total, queue_depth_mean, cache_hits,
+        cache_misses, bytes_downloaded, ...); fetch_seconds_{mean,p50,p95,p99,max},
         wall_seconds, stall_fraction, samples_per_second, stall_fraction_window,
-        samples_per_second_window, {read,transform,download_wait}_seconds_total,
-        queue_depth_mean, cache_hits, cache_misses, bytes_downloaded and, once the cache was
-        consulted, cache_hit_ratio. The stall fraction is time waiting for data / wall time.
+        samples_per_second_window and, once the cache was consulted, cache_hit_ratio. The stall
+        fraction is time waiting for data / wall time.
         """
         with self._lock:
             n = self._batches
-            out: dict[str, float] = {
-                "batches": n,
-                "samples": self._samples,
-                "padded": self._padded,
-                "fetch_seconds_total": self._fetch_total,
-                "fetch_seconds_mean": self._fetch_total / n if n else 0.0,
-                "fetch_seconds_p50": self._hist.quantile(0.50),
-                "fetch_seconds_p95": self._hist.quantile(0.95),
-                "fetch_seconds_p99": self._hist.quantile(0.99),
-                "fetch_seconds_max": self._fetch_max,
-                "read_seconds_total": self._read_total,
-                "transform_seconds_total": self._transform_total,
-                "download_wait_seconds_total": self._download_wait_total,
-                "queue_depth_mean": self._queue_depth_total / n if n else 0.0,
-                "cache_hits": self._hits,
-                "cache_misses": self._misses,
-                "bytes_downloaded": self._bytes,
-            }
+            out: dict[str, float] = {"batches": n}
+            for name, total in zip(METRIC_FIELDS, self._sums, strict=True):
+                out[SUMMARY_KEYS[name]] = (total / n if n else 0.0) if name in _MEANS else total
+            fetch_total = out[SUMMARY_KEYS["fetch_seconds"]]
+            out["fetch_seconds_mean"] = fetch_total / n if n else 0.0
+            out["fetch_seconds_p50"] = self._hist.quantile(0.50)
+            out["fetch_seconds_p95"] = self._hist.quantile(0.95)
+            out["fetch_seconds_p99"] = self._hist.quantile(0.99)
+            out["fetch_seconds_max"] = self._fetch_max
             wall = 0.0
             if self._first_start is not None and self._last_time is not None:
                 wall = max(self._last_time - self._first_start, 0.0)
             out["wall_seconds"] = wall
-            out["stall_fraction"] = min(self._fetch_total / wall, 1.0) if wall > 0 else 0.0
-            out["samples_per_second"] = self._samples / wall if wall > 0 else 0.0
+            out["stall_fraction"] = min(fetch_total / wall, 1.0) if wall > 0 else 0.0
+            out["samples_per_second"] = out["samples"] / wall if wall > 0 else 0.0
             window_wall = 0.0
             if self._recent:
                 first_fetch, first_time, _ = self._recent[0]
@@ -203,8 +190,9 @@ class StatsAggregator:
             out["samples_per_second_window"] = (
                 self._recent_samples / window_wall if window_wall > 0 else 0.0
             )
-            if self._hits + self._misses:
-                out["cache_hit_ratio"] = self._hits / (self._hits + self._misses)
+            lookups = out["cache_hits"] + out["cache_misses"]
+            if lookups:
+                out["cache_hit_ratio"] = out["cache_hits"] / lookups
             return out
 
     def slowest(self) -> list[dict[str, Any]]:

@@ -52,7 +52,8 @@ from shardloader.loader.workers.worker_process import (
     begin_worker,
     fork_safe_thread_pools,
 )
-from shardloader.runtime.child_process import die_with, start_children, this_process
+from shardloader.runtime.child_process import die_with, start_children
+from shardloader.runtime.liveness import this_process
 
 #: A batch (or a `BatchFailure` in its place: see `shardloader.loader.failures`) and its timings.
 Result = tuple[Any, BatchTimings]

@@ -41,7 +41,7 @@ import torch
 
 from shardloader.loader.batches import BatchProducer
 from shardloader.order.keys import derive_key
-from shardloader.runtime.child_process import ProcessIdentity
+from shardloader.runtime.liveness import ProcessIdentity
 from shardloader.runtime.startup import collect_in_forked_worker
 
 #: Keeps worker seeds apart from every other use of the Loader's seed.

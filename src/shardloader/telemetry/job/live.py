@@ -5,7 +5,8 @@ checkpoints (retention) and load each other's states. Before a Checkpointer touc
 `running_elsewhere(job_dir)` looks at the newest attempts' records: an attempt that has not
 ended and whose heartbeat is recent is asked whether it is alive —
 
-- on this host, by its pid and that pid's start time (a reused pid is not it). A process
+- on this host, by its pid and that pid's start time (a reused pid is not it:
+  `shardloader.runtime.liveness`). A process
   killed a moment ago may still be exiting (freeing its memory takes a while under load): a
   `kill -9` followed at once by the restart is the common case, so a live pid is given
   `EXIT_GRACE_SECONDS` to exit before it counts as a writer;
@@ -19,13 +20,12 @@ started while the first still runs is.
 from __future__ import annotations
 
 import os
-import select
 import socket
 import time
 from dataclasses import dataclass
 
 from shardloader.io.jsondata import parse_json
-from shardloader.runtime.child_process import launch_time
+from shardloader.runtime.liveness import ProcessIdentity, alive_after, is_alive
 from shardloader.telemetry.job import layout
 from shardloader.telemetry.job.counters import parse_counters
 from shardloader.telemetry.job.recorder import HEARTBEAT_SECONDS
@@ -64,8 +64,10 @@ def _read(path: str) -> bytes | None:
         return None
 
 
-def _candidates(job_dir: str, now: float) -> list[tuple[Writer, str, float, float]]:
-    """(writer, counters path, heartbeat, launch time) of unended ranks with a fresh heartbeat."""
+def _candidates(job_dir: str, now: float) -> list[tuple[Writer, str, float, ProcessIdentity]]:
+    """(writer, counters path, heartbeat, its process) of unended ranks with a fresh heartbeat.
+    The process's start time is its start event's `process_start` (None in a record of a
+    version that did not write it: then the pid alone is asked)."""
     attempts_dir = os.path.join(job_dir, layout.ATTEMPTS_DIR)
     try:
         names = sorted(n for n in os.listdir(attempts_dir) if layout.is_attempt_id(n))
@@ -92,7 +94,9 @@ def _candidates(job_dir: str, now: float) -> list[tuple[Writer, str, float, floa
                 continue
             writer = Writer(attempt, parsed[0], str(start.get("host", "?")), int(start.get("pid", -1)),
                             max(0.0, now - heartbeat))
-            found.append((writer, counters_path, heartbeat, float(start.get("launch_time", 0.0))))
+            ticks = start.get("process_start")
+            process = ProcessIdentity(writer.pid, ticks if type(ticks) is int else None)
+            found.append((writer, counters_path, heartbeat, process))
     return found
 
 
@@ -108,38 +112,13 @@ def _ended(events: bytes) -> bool:
     return isinstance(last, dict) and last.get("event") == "end"
 
 
-def _alive_here(pid: int, launched: float) -> bool:
-    if pid == os.getpid():  # this process's own earlier Checkpointer: not another job
+def _writer_here(process: ProcessIdentity) -> bool:
+    """Whether `process`, on this host, writes the root now: alive and, if alive, still alive
+    after `EXIT_GRACE_SECONDS` (a killed writer finishing its exit is none). This process's own
+    earlier Checkpointer is not another job."""
+    if process.pid == os.getpid():
         return False
-    started = launch_time(pid)
-    return started is not None and abs(started - launched) < 1.0
-
-
-def _still_alive_after(pid: int, launched: float, grace: float) -> bool:
-    """Whether process `pid` (started at `launched`) is alive `grace` seconds from now: waits
-    on its pidfd, which becomes readable when it exits (polls /proc where there is none)."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return False
-    except (AttributeError, OSError):  # no pidfd here (old kernel, not Linux): poll /proc
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            if not _alive_here(pid, launched):
-                return False
-            time.sleep(0.05)
-        return _alive_here(pid, launched)
-    try:
-        if not _alive_here(pid, launched):  # the pid was reused before the pidfd was taken
-            return False
-        # poll, not select: select refuses a descriptor number past 1024, which a training
-        # process with many open files (shards, sockets, a big DataLoader) reaches
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
-        readable = poller.poll(grace * 1000)
-        return not readable and _alive_here(pid, launched)
-    finally:
-        os.close(pidfd)
+    return is_alive(process) and alive_after(process, EXIT_GRACE_SECONDS)
 
 
 def running_elsewhere(job_dir: str) -> Writer | None:
@@ -148,10 +127,9 @@ def running_elsewhere(job_dir: str) -> Writer | None:
     heartbeat for up to `WATCH_SECONDS`."""
     here = socket.gethostname()
     remote = []
-    for writer, counters_path, heartbeat, launched in _candidates(job_dir, time.time()):
+    for writer, counters_path, heartbeat, process in _candidates(job_dir, time.time()):
         if writer.host == here:
-            if _alive_here(writer.pid, launched) and \
-                    _still_alive_after(writer.pid, launched, EXIT_GRACE_SECONDS):
+            if _writer_here(process):
                 return writer
         else:
             remote.append((writer, counters_path, heartbeat))

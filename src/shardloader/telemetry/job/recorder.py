@@ -31,7 +31,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from shardloader.runtime.child_process import launch_time
+from shardloader.runtime.liveness import launch_time, this_process
 from shardloader.telemetry.job import layout
 from shardloader.telemetry.job.counters import Counters
 
@@ -104,6 +104,7 @@ class AttemptRecorder:
         self._ended = False
         self.event("start", attempt=attempt_id, job_id=job_id, rank=rank, world_size=world_size,
                    host=socket.gethostname(), pid=self.pid, launch_time=launched,
+                   process_start=this_process().start,  # with the pid: this process for good
                    argv=[str(a) for a in sys.argv][:32])
         if mirror is not None:  # made with its Checkpointer, which talks to the root anyway
             self._copy_out()

@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 #: report needs to name its cause. Each metric costs the store 20-70 us of CPU, so the cache
 #: counters, padding and epoch are opt-in (`fields=LOGGABLE_FIELDS` logs everything).
 DEFAULT_FIELDS: tuple[str, ...] = (
-    "fetch_seconds", "read_seconds", "transform_seconds", "download_wait_seconds",
+    "fetch_seconds", "read_seconds", "transform_seconds", "shard_wait_seconds",
     "queue_depth", "samples",
 )
 __all__ = ["DEFAULT_FIELDS", "LOGGABLE_FIELDS", "MLflowLogger", "current_rank",

@@ -4,7 +4,8 @@ A training process killed by SIGKILL (preemption, the OOM killer) ends nothing: 
 RUNNING in MLflow forever. So every run `MLflowLogger` creates is tagged with its owner (host
 name, boot id, pid namespace, pid and the pid's start time), and the next logger that creates a
 run in the same experiment on the same machine marks RUNNING runs whose owner is gone as FAILED.
-The start time and the boot id guard against a recycled pid; the pid namespace against another
+Whether the owner lives is `shardloader.runtime.liveness.is_alive`; the start time (clock ticks
+after boot) and the boot id guard against a recycled pid; the pid namespace against another
 container on the same host name. Runs from another machine (or another boot, or another pid
 namespace) are left alone: their owner cannot be checked from here.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import os
 import socket
+
+from shardloader.runtime.liveness import ProcessIdentity, identity_of, is_alive
 
 TAG_HOST = "shardloader.host"
 TAG_PID = "shardloader.pid"
@@ -34,27 +37,14 @@ def _pid_namespace() -> str:
         return ""
 
 
-def process_start(pid: int) -> str:
-    """The start time of `pid` in clock ticks since boot ("" where /proc is not available,
-    "dead" for a zombie or a pid that does not exist)."""
-    stat = _read(f"/proc/{pid}/stat")
-    if not stat:
-        if not os.path.isdir("/proc/self"):
-            return ""
-        return "dead"
-    fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
-    if fields[0] in ("Z", "X"):  # a zombie: dead, only not yet reaped
-        return "dead"
-    return fields[19]  # field 22 of stat; fields[0] is field 3
-
-
 def owner_tags(pid: int | None = None) -> dict[str, str]:
     """Tags naming process `pid` (default: this one) as the owner of a run."""
     pid = os.getpid() if pid is None else pid
     host = socket.gethostname()
+    start = identity_of(pid).start  # clock ticks after boot; "" where /proc does not know it
     owner = ";".join([
         f"host={host}", f"boot={_read('/proc/sys/kernel/random/boot_id')}",
-        f"pidns={_pid_namespace()}", f"pid={pid}", f"start={process_start(pid)}",
+        f"pidns={_pid_namespace()}", f"pid={pid}", f"start={'' if start is None else start}",
     ])
     return {TAG_HOST: host, TAG_PID: str(pid), TAG_OWNER: owner}
 
@@ -72,16 +62,5 @@ def owner_is_gone(tags: dict[str, str]) -> bool:
         return False
     if any(theirs.get(key) != mine[key] for key in ("host", "boot", "pidns")):
         return False
-    pid = int(theirs["pid"])
-    start = process_start(pid)
-    if start == "dead":
-        return True
-    if start == "":  # no /proc: only whether the pid exists
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
-    return start != theirs.get("start")  # the pid now belongs to another process
+    start = theirs.get("start", "")
+    return not is_alive(ProcessIdentity(int(theirs["pid"]), int(start) if start.isdigit() else None))
