@@ -1,5 +1,6 @@
 """The cold first batch from S3, phase by phase: where the time from `import shardloader` to
-the first batch goes.
+the first batch goes. (`--sources`: the goal table per credential source beside the peers,
+`benchmarks.coldstart_sources`.)
 
 Layout (issue 24's, near enough): `benchmarks._images` JPEGs of 128-256 px (~14.6 KiB on
 average; the issue's are ~11 KiB), 1,000 per shard (14.8 MB per shard; `--images 20000` is its
@@ -385,8 +386,18 @@ def main() -> None:
     parser.add_argument("--workers", default="0,2")
     parser.add_argument("--user-seconds", type=float, default=0.0,
                         help="sleep this long between Loader() and iter() (a script's model set-up)")
+    parser.add_argument("--sources", action="store_true",
+                        help="the goal table instead: the cold first batch per S3 credential "
+                             "source beside mosaicml-streaming, and locally beside DataLoader "
+                             "(benchmarks.coldstart_sources; --images defaults to 4000 there)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.sources:
+        from benchmarks import coldstart_sources
+
+        images = [] if args.images == 20_000 else ["--images", str(args.images)]
+        coldstart_sources.main([*images, "--repeats", str(args.repeats)])
+        return
     if args.child:
         print(json.dumps(child(json.loads(args.child))), flush=True)
         return
