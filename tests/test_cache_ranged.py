@@ -358,3 +358,17 @@ def test_without_worker_processes_the_imports_are_done_while_the_first_batch_is_
     assert take(loader, 2) == want
     loader.close()
     assert events[0] == "warm_up" and events.count("warm_up") == 1
+
+
+def test_a_range_budget_takes_the_fewest_requests_that_fit_it():
+    from shardloader.source.span_requests import coalesce, gaps_by_cost
+
+    # spans (offset, length) of 10 bytes, 50, 200 and 1000 bytes apart, out of order
+    spans = np.asarray([[1280, 10], [0, 10], [60, 10], [270, 10]], dtype=np.int64)
+    options = gaps_by_cost(spans, max_gap=4096)
+    assert options == [(4096, 1290), (1000, 1290), (200, 290), (50, 90), (0, 40)]
+    for gap, cost in options:  # each figure is what the requests of that joining transfer
+        assert cost == sum(hi - lo for lo, hi, _ in coalesce(spans, gap))
+    budget = 300
+    gap, cost = next((g, c) for g, c in options if c <= budget)
+    assert (gap, len(coalesce(spans, gap))) == (200, 2)  # 2 requests, not the spans' 4

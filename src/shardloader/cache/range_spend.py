@@ -36,22 +36,31 @@ def spend(layout: CacheLayout, name: str, cost: int, limit: float) -> bool:
     count nothing and return False when the node's count would pass `limit` (then the reader
     waits for the whole shard). False also when the count cannot be kept (a disk error): the
     whole-shard path reports what is wrong with the cache."""
+    return spend_first(layout, name, [cost], limit) is not None
+
+
+def spend_first(layout: CacheLayout, name: str, costs: list[int], limit: float) -> int | None:
+    """The position of the first of `costs` that the node's count of shard `name` can take
+    within `limit`, counted; None (nothing counted) when none fits or the count cannot be kept.
+    Read and chosen under the count's lock, so that what other processes spent meanwhile is
+    seen."""
     try:
         fd = open_fd(layout.spent_of(name), os.O_RDWR | os.O_CREAT)
     except OSError:
         log.debug("cache %s: cannot count bytes read by range of %s", layout.root, name, exc_info=True)
-        return False
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         raw = os.pread(fd, _WIDTH, 0)
         spent = int.from_bytes(raw, "little") if len(raw) == _WIDTH else 0
-        if spent + cost > limit:
-            return False
-        os.pwrite(fd, (spent + cost).to_bytes(_WIDTH, "little"), 0)
-        return True
+        for position, cost in enumerate(costs):
+            if spent + cost <= limit:
+                os.pwrite(fd, (spent + cost).to_bytes(_WIDTH, "little"), 0)
+                return position
+        return None
     except OSError:
         log.debug("cache %s: cannot count bytes read by range of %s", layout.root, name, exc_info=True)
-        return False
+        return None
     finally:
         close_fd(fd)
 

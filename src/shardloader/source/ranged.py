@@ -74,7 +74,7 @@ from shardloader.format.registry import rows_from_spans, shard_format
 from shardloader.io.paths import join_url, safe_relative_path
 from shardloader.io.retry import RetryPolicy
 from shardloader.io.transfer import FetchStats, RangeRequest, read_ranges
-from shardloader.source.span_requests import DEFAULT_GAP, coalesce
+from shardloader.source.span_requests import DEFAULT_GAP, coalesce, gaps_by_cost
 
 log = logging.getLogger(__name__)
 
@@ -210,25 +210,19 @@ class RangeReads:
         most of it (it would rather wait for the whole shard, see `budget`)."""
         return min(self.gap, table.shard_bytes // 16)
 
-    def _cost(self, table: RangeTable, ids: np.ndarray, gap: int) -> int:
-        """Bytes the requests for spans `ids` transfer (gaps between joined spans included)."""
-        if not len(ids):
-            return 0
-        return sum(hi - lo for lo, hi, _ in coalesce(table.spans[ids], gap))
-
     def _spend(self, info: ShardInfo, table: RangeTable, ids: np.ndarray) -> int | None:
         """The gap to fetch spans `ids` of `info` with, their bytes counted for the node (in the
-        cache: `shardloader.cache.range_spend`) against `budget` of the shard's size; when the
-        joined requests would pass it, the spans alone (gap 0: more requests, fewer bytes), so
-        that a first batch read by several processes at once stays within it; None when even
-        those would pass it (the reader then waits for the whole shard)."""
+        cache: `shardloader.cache.range_spend`) against `budget` of the shard's size: the widest
+        joining of the spans whose bytes still fit (`span_requests.gaps_by_cost`: fewest
+        requests within the budget), so that a first batch read by several processes at once
+        stays within it; None when even the spans alone would pass it (the reader then waits
+        for the whole shard)."""
         if not len(ids):
             return self._gap(table)
-        layout, name = self._cache().layout, cache_name(info)
-        for gap in dict.fromkeys((self._gap(table), 0)):
-            if range_spend.spend(layout, name, self._cost(table, ids, gap), self.budget * info.bytes):
-                return gap
-        return None
+        options = gaps_by_cost(table.spans[ids], self._gap(table))
+        chosen = range_spend.spend_first(self._cache().layout, cache_name(info),
+                                         [cost for _, cost in options], self.budget * info.bytes)
+        return None if chosen is None else options[chosen][0]
 
     def release_held(self) -> None:
         """The first batch is out: commit the sidecars fetched for it (see `prime`, `warm`)."""
