@@ -16,17 +16,22 @@ ways, each run a fresh process that imports torch first:
 
 After 8 batches the run samples its process tree's PSS (sum of /proc/<pid>/smaps_rollup Pss
 over the training process and its workers) at each of the next 12 batches; the figure is the
-median of those, and over rounds the median again. Fixed cost and growth per worker are the
+median of those, and over rounds the median again. On a shared machine the tree's PSS moves
+with other processes mapping the same libraries (another engineer's torch from the same
+environment takes a share of its pages: 306-372 MiB for one configuration run three times),
+so beside it `_measure.tree_footprint`: anonymous PSS plus each mapped file's pages once, what
+the tree would take alone. Fixed cost and growth per worker are the
 least-squares line through the 1-8 worker points; memory is not timing-sensitive, so 8 workers
 on a 2-core machine still measure it. Beside it, construction to first batch (median).
 
     .venv/bin/python -m benchmarks.ipc_memory [--rounds 3] [--workers 1 2 4 8] [--ipc-src /tmp/old/src]
 
-Measured on 2 shared cores (load 7.6), one round, with `--ipc-src` at 8490461: tree PSS at
-1/2/4/8 workers, ipc 228/273/364/474 MiB, pyarrow 247/281/378/479, DataLoader 220/249/297/391;
-lines: ipc 204.5 MiB + 34.7 MiB/worker, pyarrow 220.6 + 33.5, DataLoader 197.9 + 24.3. pyarrow
-is a fixed +16 MiB per tree, not a cost per worker; shardloader's own growth per worker
-(~34 MiB against DataLoader's 24) is the same with either reader.
+Measured on 2 cores shared with other engineers (load ~4), 3 rounds, `--workers 1 2 8
+--ipc-src` (8490461): the tree alone at 1/2/8 workers, ipc 358/391/408 MiB, pyarrow 389/417/440,
+DataLoader 340/363/489 (tree PSS: ipc 331/368/394, pyarrow 359/391/423, DataLoader
+313/337/470). pyarrow is a fixed +26 to +32 MiB per tree, not a cost per worker. An earlier
+single round at load 7.6 gave the same difference (+5 to +18 MiB of PSS) but steeper lines for
+both readers (~34 MiB a worker): the growth depends on how far the workers run ahead.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import time
 
 from benchmarks._common import load_average, machine
 from benchmarks._images import OUT, imagenet_like_jpegs
-from benchmarks._measure import tree_memory
+from benchmarks._measure import tree_footprint, tree_memory
 
 N, SHARD = 2_000, 250
 BATCH, SIZE, STEP_S, WARM, SAMPLED = 64, 224, 0.05, 8, 12
@@ -111,17 +116,19 @@ def child(way: str, workers: int) -> None:
     it = iter(loader)
     next(it)
     first = time.perf_counter() - start
-    samples = []
+    samples, footprints = [], []
     for i in range(WARM + SAMPLED):
         time.sleep(STEP_S)
         next(it)
         if i >= WARM:
             samples.append(tree_memory(os.getpid())["pss"])
+            footprints.append(tree_footprint(os.getpid()))
     if way == "pyarrow":
         assert "pyarrow" in sys.modules
     elif way == "ipc":
         assert "pyarrow" not in sys.modules
-    print(json.dumps({"pss_mib": statistics.median(samples) / 2**20, "first_batch_s": first}), flush=True)
+    print(json.dumps({"pss_mib": statistics.median(samples) / 2**20,
+                      "alone_mib": statistics.median(footprints) / 2**20, "first_batch_s": first}), flush=True)
     os._exit(0)  # the workers are daemons: no orderly shutdown to measure
 
 
@@ -156,14 +163,16 @@ def main() -> None:
                                      capture_output=True, text=True, timeout=600, check=True, env=env)
                 runs.setdefault((way, workers), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
     print(f"{machine()}, load {load_average()}; {N} JPEGs ~110 KB, batch {BATCH}, {args.rounds} rounds")
-    pss = {w: {n: statistics.median(x["pss_mib"] for x in runs[(w, n)]) for n in args.workers} for w in ways}
-    for way in ways:
-        first = {n: statistics.median(x["first_batch_s"] for x in runs[(way, n)]) for n in args.workers}
-        fixed, growth = _fit(pss[way])
-        cells = "  ".join(f"{n}w {pss[way][n]:6.1f} MiB/{first[n] * 1e3:4.0f} ms" for n in args.workers)
-        print(f"  {way:10s} {cells}  | line: {fixed:6.1f} MiB + {growth:5.2f} MiB/worker")
-    for n in (args.workers if "ipc" in ways else []):
-        print(f"  pyarrow - ipc at {n} workers: {pss['pyarrow'][n] - pss['ipc'][n]:+.1f} MiB of the tree's PSS")
+    for key, what in (("pss_mib", "tree PSS"), ("alone_mib", "tree alone (anon PSS + files once)")):
+        print(f" {what}; first batch")
+        pss = {w: {n: statistics.median(x[key] for x in runs[(w, n)]) for n in args.workers} for w in ways}
+        for way in ways:
+            first = {n: statistics.median(x["first_batch_s"] for x in runs[(way, n)]) for n in args.workers}
+            fixed, growth = _fit(pss[way])
+            cells = "  ".join(f"{n}w {pss[way][n]:6.1f} MiB/{first[n] * 1e3:4.0f} ms" for n in args.workers)
+            print(f"  {way:10s} {cells}  | line: {fixed:6.1f} MiB + {growth:5.2f} MiB/worker")
+        for n in (args.workers if "ipc" in ways else []):
+            print(f"  pyarrow - ipc at {n} workers: {pss['pyarrow'][n] - pss['ipc'][n]:+.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -12,10 +12,11 @@ the file, UTF-8 valid) before a row is read, and a file that does not open or va
 ShardError naming it.
 
 pyarrow is the only reader (issue 37): a reader of its own (`format/ipc.py`, removed) saved a
-fixed ~16 MiB of the process tree's PSS, not a cost per worker (measured with
-`benchmarks/ipc_memory.py`, 2,000 ImageNet-sized JPEGs, 1-8 workers: the tree grew 33.5
-MiB/worker with pyarrow, 34.7 without; pyarrow is loaded before the workers fork, so they
-share its pages), well inside the 64 MiB fixed cost a process tree may take.
+fixed 26-32 MiB of what the process tree takes, the same at 1, 2 and 8 workers (pyarrow is
+loaded before the workers fork, so they share its pages): `benchmarks/ipc_memory.py`, 2,000
+ImageNet-sized JPEGs, 3 rounds; with pyarrow the tree stays within 49-54 MiB of torch
+DataLoader's at 1-2 workers and below it at 8 (growth 6.1 MiB a worker against DataLoader's
+21.2), inside the 64 MiB fixed cost a process tree may take above DataLoader's.
 
 Before and after each read the reader checks that the mapped file still has the identity it was
 opened with (`shardloader.io.identity`), so a shard truncated under it is a ShardError
