@@ -205,3 +205,20 @@ def describe(images: ImageSet) -> str:
     mib = images.nbytes() / 2**20
     return (f"{images.n} synthetic JPEGs, {images.min_size}-{images.max_size} px per side, "
             f"{mib:.0f} MiB, {SAMPLES_PER_SHARD} per shard")
+
+
+def imagenet_like_jpegs(n: int, seed: int = 0) -> list[bytes]:
+    """`n` JPEGs the size of ImageNet's average (350-420 px a side, ~110 KB): the procedural
+    images (`shardloader.synthetic`) with pixel noise (sigma 8) for photo-like entropy, encoded
+    at quality 97. The second implementations' benchmarks (issue 37) measure with these."""
+    import numpy as np
+
+    from shardloader.synthetic import encode_jpeg, make_image
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        image, _ = make_image(i, min_size=350, max_size=420, seed=seed)
+        noise = rng.normal(0, 8, image.shape).astype(np.int16)
+        out.append(encode_jpeg(np.clip(image.astype(np.int16) + noise, 0, 255).astype(np.uint8), 97))
+    return out

@@ -139,3 +139,30 @@ class StderrMark:
         """All of it, once the stream has ended (what came, if it has not within `timeout`)."""
         self._thread.join(timeout)
         return "".join(self.lines)
+
+
+def tree_footprint(root: int) -> int:
+    """Bytes the tree of `root` would take from a machine it ran on alone: its processes'
+    anonymous PSS (anonymous pages are shared only by fork, within the tree) plus each mapped
+    file's resident pages once (the largest Rss of that file in any process of the tree).
+    Unlike the tree's PSS, other processes mapping the same libraries (another job's torch from
+    the same environment, on a shared machine) do not lower it."""
+    anon, files = 0, {}
+    for pid in tree_pids(root):
+        rollup = smaps_rollup(pid) or {}
+        anon += rollup.get("Pss_Anon", 0)
+        per_file: dict[str, int] = {}
+        try:
+            with open(f"/proc/{pid}/smaps") as f:
+                path = ""
+                for line in f:
+                    head = line.split()
+                    if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                        path = head[5] if len(head) >= 6 and head[5].startswith("/") else ""
+                    elif path and head and head[0] == "Rss:":
+                        per_file[path] = per_file.get(path, 0) + int(head[1])
+        except OSError:
+            continue
+        for path, kb in per_file.items():
+            files[path] = max(files.get(path, 0), kb)
+    return (anon + sum(files.values())) * 1024

@@ -17,7 +17,14 @@ batch (all its threads: what telemetry takes from training even when throughput 
 records dropped, and how long close() took to deliver what was still queued at the end.
 
 Run: .venv/bin/python -m benchmarks.telemetry_overhead [--repeats 7] [--samples 32768]
-     [--modes mlflow mlflow-silent]
+     [--modes mlflow mlflow-silent] [--server]
+
+`--server`: "mlflow" and "mlflow-thread" write to a real `mlflow server` on 127.0.0.1 (sqlite
+backend, started as the tests start it) instead of a local store: what a job logging to a
+tracking server pays (issue 37: a writer process against MLflow's client in a thread), e.g.
+
+    .venv/bin/python -m benchmarks.telemetry_overhead --server --modes mlflow mlflow-thread \
+        --workers 2 --step-ms 5 50 --batch 64 --samples 8192 --repeats 5
 """
 
 from __future__ import annotations
@@ -141,6 +148,8 @@ def main() -> None:
                         help="telemetry modes to compare (off is always included)")
     parser.add_argument("--step-ms", type=float, nargs="+", default=[0.0, 5.0],
                         help="simulated training step per batch (0: loader-bound worst case)")
+    parser.add_argument("--server", action="store_true",
+                        help="log to a real `mlflow server` on 127.0.0.1, not a local store")
     args = parser.parse_args()
     modes = ["off"] + [m for m in args.modes if m != "off"]
     logging.getLogger("mlflow").setLevel(logging.WARNING)
@@ -149,6 +158,14 @@ def main() -> None:
     with listener, tempfile.TemporaryDirectory() as tmp:
         path = make_dataset(tmp, args.samples)
         tracking_uri = f"sqlite:///{os.path.join(tmp, 'mlflow.db')}"
+        server = None
+        if args.server:
+            from pathlib import Path
+
+            from tests.fixtures.mlflow import start_mlflow_server
+
+            server, tracking_uri = start_mlflow_server(Path(tmp))
+            print(f"tracking server {tracking_uri}")
         from mlflow import MlflowClient
 
         MlflowClient(tracking_uri).search_experiments()  # create the store's schema up front
@@ -186,6 +203,10 @@ def main() -> None:
                      "train-proc CPU us/batch", "dropped", "close s", "constructor ms"],
                     rows))
         print(f"load after: {load_average()}")
+        if server is not None:
+            from tests.fixtures.mlflow import _stop_group
+
+            _stop_group(server)
 
 
 if __name__ == "__main__":

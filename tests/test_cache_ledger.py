@@ -1,4 +1,4 @@
-"""The cache ledger: typed records over diskcache, unreadable records treated as absent,
+"""The cache ledger: typed records over sqlite, unreadable records treated as absent,
 node-wide counters and the high-water mark."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from shardloader.cache.ledger import Ledger, LedgerEntry, Reservation
+from shardloader.cache.ledger import DB_NAME, Ledger, LedgerEntry, Reservation
 from tests.proctree import answer_from_fork
 
 
@@ -58,7 +58,7 @@ def test_redownloads_and_high_water_are_counted_for_the_node(tmp_path):
 
 def _ledger_descriptors(directory: str) -> int:
     """How many of this process's descriptors are open on the ledger database in `directory`."""
-    database, count = os.path.realpath(os.path.join(directory, "cache.db")), 0
+    database, count = os.path.realpath(os.path.join(directory, DB_NAME)), 0
     for fd in os.listdir("/proc/self/fd"):
         try:
             count += os.readlink(f"/proc/self/fd/{fd}") == database
@@ -67,22 +67,23 @@ def _ledger_descriptors(directory: str) -> int:
     return count
 
 
-def _drop_the_inherited_ledger(holder: dict, directory: str, conn) -> None:
-    before = _ledger_descriptors(directory)
+def _use_the_inherited_ledgers(holder: dict, directory: str, conn) -> None:
+    inherited = _ledger_descriptors(directory)
+    holder["ledger"].count("downloads", 2)  # a ledger the child inherited opens its own connection
     holder.clear()  # what a worker does with the ledger it inherited: drops it, opens its own
     gc.collect()
-    after = _ledger_descriptors(directory)
     own = Ledger(directory)
-    own.count("downloads", 2)
-    conn.send((before, after, own.node_counters()["downloads"]))
+    own.count("downloads", 3)
+    conn.send((inherited, own.node_counters()["downloads"]))
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
-def test_a_forked_child_never_closes_the_ledger_connections_it_inherited(tmp_path):
+def test_no_ledger_connection_crosses_a_fork(tmp_path):
     """sqlite's rule: a connection must not cross a fork, not even to be closed (a child's close
-    can checkpoint and delete the write-ahead log the others use). The parent holds two ledgers
-    when it forks, one used last from a thread that is still running (whose state the child
-    discards); the child drops both, and every inherited descriptor stays open."""
+    can checkpoint and delete the write-ahead log the others use). The parent holds two open
+    ledgers when it forks, one used last from a thread that is still running; the child
+    inherits no descriptor on the database (the parent closed its connections before forking),
+    uses one inherited ledger and a new one, and the parent's ledgers work on after the fork."""
     holder = {"ledger": Ledger(str(tmp_path)), "second": Ledger(str(tmp_path))}
     holder["second"].count("downloads")
     opened, stop = threading.Event(), threading.Event()
@@ -96,16 +97,17 @@ def test_a_forked_child_never_closes_the_ledger_connections_it_inherited(tmp_pat
     thread.start()
     try:
         assert opened.wait(30)
-        _, (before, after, downloads) = answer_from_fork(_drop_the_inherited_ledger, holder, str(tmp_path))
+        assert _ledger_descriptors(str(tmp_path)) >= 2  # the parent's two connections
+        _, (inherited, downloads) = answer_from_fork(_use_the_inherited_ledgers, holder, str(tmp_path))
     finally:
         stop.set()
         thread.join(30)
-    assert before >= 2, f"the child inherited {before} descriptors on the ledger, expected two ledgers'"
-    assert after == before, f"the child closed {before - after} inherited ledger descriptors"
-    assert downloads == 4
-    assert holder["ledger"].node_counters()["downloads"] == 4  # the parent's connections still work
-    assert holder["second"].node_counters()["downloads"] == 4
-    check = sqlite3.connect(str(tmp_path / "cache.db"))
+    assert inherited == 0, f"the child inherited {inherited} descriptors on the ledger"
+    assert downloads == 7
+    assert holder["ledger"].node_counters()["downloads"] == 7  # the parent's ledgers still work
+    holder["second"].count("downloads")
+    assert holder["ledger"].node_counters()["downloads"] == 8
+    check = sqlite3.connect(str(tmp_path / DB_NAME))
     try:
         assert check.execute("PRAGMA integrity_check").fetchone() == ("ok",)
     finally:

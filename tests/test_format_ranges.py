@@ -9,7 +9,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from shardloader.errors import SchemaError, ShardError
-from shardloader.format import arrow_ranges as ranges_module
 from shardloader.format.index import ShardInfo
 from shardloader.format.ranges import RANGES_KEY, RangeTable, span_hash
 from shardloader.format.registry import open_shard, rows_from_spans, table_of_file
@@ -72,10 +71,10 @@ def test_arrow_rows_across_record_batches(tmp_path, monkeypatch):
     assert_same_samples(got, want, "row")
 
 
-def test_arrow_rows_by_range_are_read_without_pyarrow_and_equal_its_values(tmp_path, monkeypatch):
-    """Rows of a shard of the types `shardloader.format.ipc` reads are rebuilt by it (pyarrow
-    would cost a worker's cold first batch its import), equal to pyarrow's values bit for bit;
-    the image it reads holds only the spans the rows need, zeros elsewhere."""
+def test_arrow_rows_by_range_equal_the_whole_files_values(tmp_path, monkeypatch):
+    """Rows of a shard of every column kind the writer makes, rebuilt from an image that holds
+    only the spans the rows need (zeros elsewhere), equal the rows read from the whole file
+    bit for bit."""
     monkeypatch.setattr("shardloader.ingest.writer._BATCH_ROWS", 64)
     rng = np.random.default_rng(1)
     samples = [{"data": rng.bytes(int(rng.integers(0, 600))), "label": i, "text": "é" * (i % 9),
@@ -85,11 +84,8 @@ def test_arrow_rows_by_range_are_read_without_pyarrow_and_equal_its_values(tmp_p
     info = index.shards[0]
     path = str(tmp_path / "ds" / info.path)
     table = table_of_file(path, "arrow")
-    with monkeypatch.context() as m:  # pyarrow's `BatchRows` over the same image
-        m.setattr("shardloader.format.arrow_ranges._arrow_rows", lambda *a: None)
-        want = _by_range(table, path, ROWS)
-    monkeypatch.setattr("pyarrow.ipc.open_file", lambda *a, **k: pytest.fail("read with pyarrow"))
     got = _by_range(table, path, ROWS)
+    want = open_shard(info, path, index.schema).read_rows(ROWS)
     assert len(got) == len(ROWS)
     assert_same_samples(got, want, "row")
     assert [r["label"] for r in got] == ROWS
@@ -155,9 +151,9 @@ def test_verify_names_a_damaged_range_sidecar(tmp_path):
     assert len(problems) == 1 and "shard-00000.arrow.ranges: checksum" in problems[0]
 
 
-def test_a_record_batch_ipc_does_not_read_leaves_the_file_to_pyarrow(tmp_path, monkeypatch):
-    """A file whose footer `ipc` reads but whose record batch it declines (a column holding
-    nulls): pyarrow reads the rows, and says what is wrong as it does for the whole shard."""
+def test_a_record_batch_with_nulls_is_read_and_the_null_named(tmp_path):
+    """A file written elsewhere whose middle record batch holds a null: rows outside it, and
+    rows of it that are not null, read by range; a null row is named as for the whole shard."""
     values = [None if i == 60 else i for i in range(120)]
     table = pa.table({"data": [bytes([i % 256]) * (i % 30) for i in range(120)],
                       "x": pa.array(values, type=pa.int64())})
@@ -165,21 +161,9 @@ def test_a_record_batch_ipc_does_not_read_leaves_the_file_to_pyarrow(tmp_path, m
     with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table, max_chunksize=50)  # batches of rows 0-49, 50-99, 100-119
     ranges = table_of_file(path, "arrow")
-    answers = []
-    real = ranges_module._arrow_rows
-
-    def spy(*args):
-        answers.append(real(*args))
-        return answers[-1]
-
-    monkeypatch.setattr(ranges_module, "_arrow_rows", spy)
-    rows = [119, 0, 5, 0]  # outside the batch with the null
-    got = _by_range(ranges, path, rows)
-    assert [(r["x"], r["data"]) for r in got] == [(v, bytes([v % 256]) * (v % 30)) for v in rows]
-    assert answers == [got]  # read by ipc
-    got = _by_range(ranges, path, [3, 51])  # row 51 lies in the batch with the null
-    assert answers[-1] is None  # declined by ipc, read by pyarrow
-    assert [(r["x"], r["data"]) for r in got] == [(v, bytes([v % 256]) * (v % 30)) for v in (3, 51)]
+    for rows in ([119, 0, 5, 0], [3, 51]):  # row 51 lies in the batch with the null
+        got = _by_range(ranges, path, rows)
+        assert [(r["x"], r["data"]) for r in got] == [(v, bytes([v % 256]) * (v % 30)) for v in rows]
     with pytest.raises(SchemaError, match=r"f\.arrow: row 60: field 'x' is null"):
         _by_range(ranges, path, [3, 60])
-    assert answers[-1] is None
+

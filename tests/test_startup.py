@@ -118,7 +118,7 @@ def test_a_pause_leaves_what_the_application_froze_alone(gc_enabled):
 
 def test_a_local_loader_never_imports_the_node_cache(dataset_dir):
     """Local shards are read in place: a fresh process that iterates a local Loader (workers
-    included) imports none of the node cache (its store, ledger, sqlite3, diskcache), whose
+    included) imports none of the node cache (its store, ledger, sqlite3), whose
     modules cost the training process 1.7 MiB of RSS."""
     script = (
         "import sys\n"
@@ -127,7 +127,7 @@ def test_a_local_loader_never_imports_the_node_cache(dataset_dir):
         "for _ in loader: pass\n"
         "loader.close()\n"
         "print(sorted(m for m in sys.modules if m.startswith('shardloader.cache') "
-        "or m in ('sqlite3', 'diskcache')))\n"
+        "or m == 'sqlite3'))\n"
     )
     assert _last_line_of(script) == "[]"
 

@@ -10,7 +10,7 @@
                                                         node while it is not whole (`range_spend.py`)
     <root>/locks/bookkeeping.lock                       guards sizes, reservations, eviction
     <root>/locks/pressure                               its mtime: a reader is waiting for room
-    <root>/index/                                       the ledger (diskcache)
+    <root>/index/ledger.sqlite3                         the ledger (sqlite, `ledger.py`)
 
 File names are built only from the checksum (algorithm from a fixed list, digest checked to be
 lowercase hex) and the shard format or sidecar kind (from fixed lists): nothing taken from the

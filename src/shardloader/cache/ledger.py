@@ -1,4 +1,4 @@
-"""The cache's ledger: what the node cache holds, reserves and did, in a diskcache database.
+"""The cache's ledger: what the node cache holds, reserves and did, in a sqlite database.
 
 The ledger is bookkeeping, not truth: the files under `data/` are the truth, and
 `reconcile.reconcile` makes the ledger agree with them when a process first opens the cache.
@@ -12,112 +12,201 @@ Every read and write of the database goes through this class, with typed records
   high-water mark of committed plus reserved bytes, which proves the limit held.
 
 Writers that change sizes or reservations hold the bookkeeping lock (see `locks.py`); the
-database itself is safe for many processes (sqlite). A write the filesystem refuses (read-only, full) is a CacheDiskError
-naming the cache, the record and the free space (see `space.py`).
+database itself is safe for many processes (sqlite, write-ahead log). A write the filesystem
+refuses (read-only, full) is a CacheDiskError naming the cache, the record and the free space
+(see `space.py`).
+
+The database is one table of keys and JSON values, used through the standard library's sqlite3
+as documented (the ledger was a diskcache.Cache with its private connection handling patched;
+a key-value table is all the ledger needs of it). Fork safety, in two rules sqlite states
+(https://sqlite.org/howtocorrupt.html, 2.6), kept here with documented calls only:
+
+* No thread may be inside sqlite when the process forks: a child that inherits one of sqlite's
+  internal mutexes locked hangs in its first sqlite call (seen: a loader worker forked while the
+  parent's prefetch thread polled the ledger never produced a batch). Every database call holds
+  `_GUARD`, and a fork waits for it (`os.register_at_fork`).
+* No connection may cross a fork, not even to be closed: a child's copy believes it holds the
+  parent's locks, and closing it may checkpoint and delete the write-ahead log the other
+  processes use ("database disk image is malformed", seen with 4 workers). So the forking
+  process closes its own connections just before it forks (holding the guard), and parent and
+  child each open their own on their next call: a child never holds a connection it could
+  close by mistake. A fork costs the parent one close and one open (~0.25 ms; forks are worker
+  starts), where the ledger held on to leaked references with ctypes before.
+
+A ledger has one connection per process, shared by its threads (every call holds the guard).
 """
 
 from __future__ import annotations
 
-import ctypes
+import json
 import os
 import sqlite3
 import threading
-import types
+import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from shardloader.cache.locks import make_private_dir
 from shardloader.cache.space import disk_errors
 
-# sqlite must not be inside a call in any thread when the process forks: a child that inherits
-# one of sqlite's internal mutexes locked hangs in its first sqlite call (seen: a loader worker
-# forked while the parent's prefetch thread polled the ledger never produced a batch). Every
-# database call holds this lock, and a fork waits for it (os.register_at_fork below).
-_SQLITE_GUARD = threading.RLock()
-
-# Nor may a connection cross a fork, not even to be closed: a child's copy of it believes it
-# holds the parent's locks, and closing it may checkpoint and delete the write-ahead log the
-# other processes use ("database disk image is malformed", seen with 4 workers). Python closes
-# a connection it frees, and a child frees what it inherited without asking (a ledger a worker
-# drops to open its own; a connection left in a reference cycle). So each ledger has one
-# connection per process, shared by its threads (every call holds the guard above; diskcache
-# would keep one per thread, and a thread's ends with it, whenever the collector gets to it),
-# and every open one is held here: a forked child keeps its inherited ones open for good (one
-# reference leaked on purpose, so that not even the interpreter's exit frees them).
-_OPEN: dict[int, sqlite3.Connection] = {}
-
-
-def _in_child() -> None:
-    global _SQLITE_GUARD
-    _SQLITE_GUARD = threading.RLock()
-    for con in _OPEN.values():
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(con))  # never freed, so never closed
-    _OPEN.clear()
-
-
-os.register_at_fork(before=lambda: _SQLITE_GUARD.acquire(),
-                    after_in_parent=lambda: _SQLITE_GUARD.release(),
-                    after_in_child=_in_child)
-
-
+#: The database file in the ledger's directory.
+DB_NAME = "ledger.sqlite3"
+#: How long a call waits for another process's write (sqlite's busy timeout), seconds.
+BUSY_TIMEOUT = 60.0
 #: What sqlite's write-ahead log may take on disk (its default checkpointing at 1000 pages: about
 #: 4 MiB); `space.DISK_MARGIN` leaves room for it.
 LEDGER_WAL_BYTES = 4 << 20
-_DOING = {"set": "writing", "delete": "deleting", "incr": "updating", "pop": "removing",
-          "get": "reading", "iterkeys": "listing", "close": "closing"}
+
+# Held by every database call, and by a fork (see the module's docstring).
+_GUARD = threading.RLock()
+# The databases with a connection open in this process: closed before a fork.
+_OPEN: weakref.WeakSet[_Database] = weakref.WeakSet()
 
 
-class _GuardedCache:
-    """A diskcache.Cache whose every call holds the fork guard, with one sqlite connection per
-    process for all its threads (see `_OPEN`), and whose refusals by the filesystem
-    (read-only, full) are CacheDiskErrors naming the cache and the record."""
+def _before_fork() -> None:
+    _GUARD.acquire()
+    for db in list(_OPEN):
+        db.disconnect()
+
+
+def _after_fork_in_child() -> None:
+    global _GUARD
+    _GUARD = threading.RLock()  # the parent's is held by the thread that forked
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=lambda: _GUARD.release(),
+                    after_in_child=_after_fork_in_child)
+
+
+class _Database:
+    """Keys and JSON values in one sqlite table; every call holds the fork guard, and a
+    refusal by the filesystem (read-only, full) is a CacheDiskError naming the cache and the
+    record. A value that is not valid JSON reads as None."""
 
     def __init__(self, directory: str, root: str) -> None:
-
         self._directory, self._root = directory, root
-        self._open()
+        self._path = os.path.join(directory, DB_NAME)
+        self._con: sqlite3.Connection | None = None
+        with _GUARD, disk_errors(root, f"opening its ledger in {directory}", path=directory):
+            make_private_dir(directory)
+            self._connection()
 
-    def _open(self) -> None:
-        import diskcache
+    def _connection(self) -> sqlite3.Connection:
+        if self._con is not None:
+            return self._con
+        con = sqlite3.connect(self._path, timeout=BUSY_TIMEOUT, isolation_level=None,
+                              check_same_thread=False)  # threads take turns (the guard)
+        try:
+            _wal(con)
+            con.execute("PRAGMA synchronous = NORMAL")  # durable at checkpoints, as diskcache
+            con.execute("CREATE TABLE IF NOT EXISTS ledger "
+                        "(key TEXT PRIMARY KEY, value TEXT NOT NULL) WITHOUT ROWID")
+        except BaseException:
+            con.close()
+            raise
+        self._con = con
+        _OPEN.add(self)
+        return con
 
-        self._pid = os.getpid()
-        with _SQLITE_GUARD, disk_errors(self._root, f"opening its ledger in {self._directory}",
-                                        path=self._directory):
-            cache = diskcache.Cache(self._directory, eviction_policy="none", size_limit=2**62,
-                                    statistics=False, tag_index=False)
-            cache.close()  # the connection diskcache made for this thread: replaced by one for all
-            shared = types.SimpleNamespace(pid=self._pid)
-            shared.con = sqlite3.connect(os.path.join(self._directory, diskcache.core.DBNAME),
-                                         timeout=cache._timeout, isolation_level=None,
-                                         check_same_thread=False)
-            _OPEN[id(shared.con)] = shared.con
-            cache._local = shared  # what diskcache looks its connection up in (a threading.local)
-            for key, value in shared.con.execute("SELECT key, value FROM Settings").fetchall():
-                if key.startswith("sqlite_"):  # per-connection pragmas, as diskcache sets them
-                    cache.reset(key, value, update=False)
-            self._cache = cache
+    def disconnect(self) -> None:
+        """Close this process's connection (the next call opens another)."""
+        con, self._con = self._con, None
+        _OPEN.discard(self)
+        if con is not None:
+            try:
+                con.close()
+            except sqlite3.Error:
+                pass  # nothing written is pending (autocommit): a failed close loses nothing
 
-    def __getattr__(self, name: str) -> Any:
-        def guarded(*args: Any, **kwargs: Any) -> Any:
-            record = f" record {args[0]!r}" if args and isinstance(args[0], str) else "s"
-            doing = f"{_DOING.get(name, name)} the ledger{record} in {self._directory}"
-            with _SQLITE_GUARD, disk_errors(self._root, doing, path=self._directory):
-                if self._pid != os.getpid():
-                    # Inherited across a fork: diskcache would close the parent's connection
-                    # here. Leave it (held open, above) and open this process's own.
-                    if name == "close":
-                        return None
-                    self._open()
-                elif name != "close" and getattr(self._cache._local, "con", None) is None:
-                    self._open()  # closed earlier: diskcache would open one for this thread only
-                if name == "close":
-                    con = getattr(self._cache._local, "con", None)
-                    if con is not None:
-                        _OPEN.pop(id(con), None)
-                result = getattr(self._cache, name)(*args, **kwargs)
-                return list(result) if name == "iterkeys" else result
+    def _call(self, doing: str, key: str | None) -> Any:
+        record = f" record {key!r}" if key is not None else "s"
+        return disk_errors(self._root, f"{doing} the ledger{record} in {self._directory}",
+                           path=self._directory)
 
-        return guarded
+    def get(self, key: str, default: Any = None) -> Any:
+        with _GUARD, self._call("reading", key):
+            row = self._connection().execute("SELECT value FROM ledger WHERE key = ?", (key,)).fetchone()
+        return default if row is None else _decode(row[0])
+
+    def items(self, prefix: str) -> list[tuple[str, Any]]:
+        """Every (key, value) whose key starts with `prefix`, in key order."""
+        with _GUARD, self._call("listing", None):
+            rows = self._connection().execute(
+                "SELECT key, value FROM ledger WHERE substr(key, 1, ?) = ? ORDER BY key",
+                (len(prefix), prefix)).fetchall()
+        return [(key, _decode(value)) for key, value in rows]
+
+    def set(self, key: str, value: Any) -> None:
+        with _GUARD, self._call("writing", key):
+            self._connection().execute("INSERT OR REPLACE INTO ledger (key, value) VALUES (?, ?)",
+                                       (key, json.dumps(value)))
+
+    def delete(self, key: str) -> None:
+        with _GUARD, self._call("deleting", key):
+            self._connection().execute("DELETE FROM ledger WHERE key = ?", (key,))
+
+    def pop(self, key: str, default: Any = None) -> Any:
+        """Remove `key` and return its value (`default` when absent), in one transaction."""
+        with _GUARD, self._call("removing", key), self._transaction() as con:
+            row = con.execute("SELECT value FROM ledger WHERE key = ?", (key,)).fetchone()
+            con.execute("DELETE FROM ledger WHERE key = ?", (key,))
+        return default if row is None else _decode(row[0])
+
+    def incr(self, key: str, n: int = 1) -> int:
+        """Add `n` to the integer at `key` (0 when absent or not an integer), in one
+        transaction; the new value."""
+        with _GUARD, self._call("updating", key), self._transaction() as con:
+            row = con.execute("SELECT value FROM ledger WHERE key = ?", (key,)).fetchone()
+            value = _decode(row[0]) if row is not None else 0
+            value = (value if isinstance(value, int) and not isinstance(value, bool) else 0) + n
+            con.execute("INSERT OR REPLACE INTO ledger (key, value) VALUES (?, ?)", (key, json.dumps(value)))
+        return value
+
+    def _transaction(self) -> _Transaction:
+        return _Transaction(self._connection())
+
+    def close(self) -> None:
+        with _GUARD, self._call("closing", None):
+            self.disconnect()
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE (the write lock, waiting up to the busy timeout) ... COMMIT, or ROLLBACK
+    when the block raised."""
+
+    def __init__(self, con: sqlite3.Connection) -> None:
+        self._con = con
+
+    def __enter__(self) -> sqlite3.Connection:
+        self._con.execute("BEGIN IMMEDIATE")
+        return self._con
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        self._con.execute("COMMIT" if kind is None else "ROLLBACK")
+
+
+def _wal(con: sqlite3.Connection) -> None:
+    """Put the database in write-ahead-log mode (kept in the file: a no-op once done). Changing
+    it needs the database to itself, which sqlite does not wait for: retried up to the busy
+    timeout while another process has it open."""
+    start = time.monotonic()
+    while con.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+        try:
+            con.execute("PRAGMA journal_mode = WAL").fetchall()
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() - start > BUSY_TIMEOUT:
+                raise
+            time.sleep(0.001)
+
+
+def _decode(text: Any) -> Any:
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        return None
+
 
 _ENTRY, _ATIME, _OPENED, _RESERVED, _EVICTED, _STAT = "entry", "atime", "opened", "resv", "evicted", "stat"
 NODE_COUNTERS = ("downloads", "redownloads", "evictions", "bytes_downloaded")
@@ -149,17 +238,16 @@ def _int(value: Any) -> int | None:
 
 
 class Ledger:
-    """Typed access to the cache's diskcache database in `directory` (of the cache at `root`,
+    """Typed access to the cache's ledger database in `directory` (of the cache at `root`,
     named in errors; default: the parent of `directory`)."""
 
     def __init__(self, directory: str, root: str | None = None) -> None:
-        self._db = _GuardedCache(directory, root or os.path.dirname(os.path.abspath(directory)))
+        self._db = _Database(directory, root or os.path.dirname(os.path.abspath(directory)))
 
     def _scan(self, kind: str) -> Iterator[tuple[str, Any]]:
         prefix = kind + "/"
-        for key in list(self._db.iterkeys()):
-            if isinstance(key, str) and key.startswith(prefix):
-                yield key[len(prefix):], self._db.get(key)
+        for key, value in self._db.items(prefix):
+            yield key[len(prefix):], value
 
     # -- committed shards ----------------------------------------------------------------------
     def entries(self) -> dict[str, LedgerEntry]:
@@ -236,7 +324,7 @@ class Ledger:
         return again
 
     def count(self, counter: str, n: int = 1) -> None:
-        self._db.incr(_key(_STAT, counter), n, default=0)
+        self._db.incr(_key(_STAT, counter), n)
 
     def node_counters(self) -> dict[str, int]:
         """Counters of every process that used this cache directory since it was created."""

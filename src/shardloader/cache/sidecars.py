@@ -26,8 +26,8 @@ thread) finds what one of them fetched, and the server is asked for each sidecar
   cold first batch needs neither: the sidecars `prime` fetches for it (and those fetched for it
   in the background from `Loader()`) are committed once it is out (`load_sidecars(hold=...)`),
   their download locks held until then. Its sidecar round was ~50 ms without workers and ~90
-  with two, of which the requests took 20-30: the ledger's first opening (diskcache's import,
-  sqlite, reconciling) and 8 commits, on a client whose CPU the round shares with the workers'
+  with two, of which the requests took 20-30: the ledger's first opening (then diskcache's
+  import, sqlite, reconciling) and 8 commits, on a client whose CPU the round shares with the workers'
   warm-up imports. Opening the ledger in a thread while the requests were in flight, or
   committing while the spans were fetched, saved nothing (the client's CPU is what they share).
 """

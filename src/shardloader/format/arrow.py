@@ -1,16 +1,22 @@
 """Native shards: Arrow IPC *file* format, memory-mapped, read row by row.
 
-The file is memory-mapped and its record batches are opened zero-copy, so opening a shard
-reads only its footer and batch metadata. Reading rows slices just those rows out of the mapped
-column buffers and converts only them to Python values; binary and string values are read
-with `pread` at their place in the file (see `ipc.BatchReader`). Files are written
-uncompressed (see `shardloader.ingest.writer`) so that nothing has to be decoded.
+The file is memory-mapped and its record batches are opened zero-copy with pyarrow's IPC
+reader, so opening a shard reads only its footer and batch metadata. Reading rows slices just
+those rows out of the mapped column buffers and converts only them to Python values; binary and
+string values are read with `pread` at their place in the file (see `schema.BatchRows`). Files
+are written uncompressed (see `shardloader.ingest.writer`) so that nothing has to be decoded.
 
-Two readers lie behind `ArrowShardReader`: `shardloader.format.ipc` for the column types the
-writer produces (binary, string, numbers, fixed-shape tensors; no nulls), which needs no
-pyarrow, so a loader's processes do not load it (26.5 MiB of the process tree's PSS, measured
-with `benchmarks.memory`); and pyarrow's IPC reader for any other file, which also words the
-error for a damaged one. Both give the same values and types (tests compare them).
+Shards are untrusted input: every record batch is checked with pyarrow's full validation
+(`RecordBatch.validate(full=True)`: offsets in order and inside their buffers, buffers inside
+the file, UTF-8 valid) before a row is read, and a file that does not open or validate is a
+ShardError naming it.
+
+pyarrow is the only reader (issue 37): a reader of its own (`format/ipc.py`, removed) saved a
+fixed 26-32 MiB of what the process tree takes, the same at 1, 2 and 8 workers (pyarrow is
+loaded before the workers fork, so they share its pages): `benchmarks/ipc_memory.py`, 2,000
+ImageNet-sized JPEGs, 3 rounds; with pyarrow the tree stays within 49-54 MiB of torch
+DataLoader's at 1-2 workers and below it at 8 (growth 6.1 MiB a worker against DataLoader's
+21.2), inside the 64 MiB fixed cost a process tree may take above DataLoader's.
 
 Before and after each read the reader checks that the mapped file still has the identity it was
 opened with (`shardloader.io.identity`), so a shard truncated under it is a ShardError
@@ -21,19 +27,17 @@ Rows read by byte range from a file not fetched whole: `shardloader.format.arrow
 
 from __future__ import annotations
 
-import mmap
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from shardloader.errors import ShardError, ShardloaderError
-from shardloader.format import arrow_ranges, ipc
-from shardloader.format.mapped import MappedPages, MmapPages, close_mmap, memory_map_shard
+from shardloader.format import arrow_ranges
+from shardloader.format.mapped import MappedPages, memory_map_shard
 from shardloader.format.protocol import FormatCode, ShardEntry
 from shardloader.format.rows import check_shard, gather_rows
-from shardloader.io.identity import FileGuard, FileIdentity
+from shardloader.io.identity import FileIdentity
 
 
 class ArrowShardReader:
@@ -50,15 +54,7 @@ class ArrowShardReader:
         self.path = path
         self.info = info
         self._raw: list[Any] = []
-        native = _open_native(path, info, expect)
-        if native is not None:
-            self._map, self._guard, parsed = native
-            self._pages: Any = MmapPages(self._map)
-            self._batches: list[Any] = [ipc.BatchReader(b, self._guard.fd, path)
-                                        for b in parsed.batches]
-            names = parsed.schema
-        else:
-            names = self._open_pyarrow(path, info, expect)
+        names = self._open(path, info, expect)
         counts = np.fromiter((b.num_rows for b in self._batches), dtype=np.int64,
                              count=len(self._batches))
         self._offsets = np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(counts)])
@@ -72,8 +68,8 @@ class ArrowShardReader:
             self.close()
             raise
 
-    def _open_pyarrow(self, path: str, info: ShardEntry, expect: FileIdentity | None) -> dict[str, str]:
-        """Open the file with pyarrow (any file `ipc` does not read); returns its schema."""
+    def _open(self, path: str, info: ShardEntry, expect: FileIdentity | None) -> dict[str, str]:
+        """Open and validate the file with pyarrow; returns its schema."""
         import pyarrow as pa
 
         from shardloader.format.schema import BatchRows, MappedFile, schema_names
@@ -86,7 +82,7 @@ class ArrowShardReader:
             reader = pa.ipc.open_file(self._map)
             batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
             for batch in batches:
-                batch.validate()
+                batch.validate(full=True)
             firsts = np.cumsum([0] + [b.num_rows for b in batches])
             self._batches = [BatchRows(b, where=path, first_row=int(first), mapped=mapped)
                              for b, first in zip(batches, firsts)]
@@ -120,26 +116,15 @@ class ArrowShardReader:
     def null_counts(self) -> dict[str, int]:
         """Field -> number of null values in the shard, for the fields that hold any."""
         self._guard.check()
-        if not self._raw:  # the `ipc` reader reads only files without nulls
-            return {}
         from shardloader.format.schema import null_counts
 
         return null_counts(self._raw)
 
     def close(self) -> None:
-        for batch in self._batches:
-            if isinstance(batch, ipc.BatchReader):
-                batch.close()
         self._batches = []
         self._raw = []
         self._pages = None
-        if isinstance(self._map, mmap.mmap):
-            close_mmap(self._map)
-            if self._guard.fd >= 0:
-                os.close(self._guard.fd)
-                self._guard.fd = -1
-        else:
-            self._map.close()
+        self._map.close()
 
     def __del__(self) -> None:
         """A reader dropped without `close()` (a Dataset freed unclosed, as most are) gives its
@@ -155,35 +140,6 @@ class ArrowShardReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _open_native(path: str, info: ShardEntry,
-                 expect: FileIdentity | None) -> tuple[mmap.mmap, FileGuard, ipc.IpcFile] | None:
-    """(map, guard, parsed file) when `ipc` reads the file; None when pyarrow must (the file is
-    outside `ipc`'s types, or damaged: pyarrow then words the error). A missing file or one
-    that is not the file `expect` describes raises here, as `memory_map_shard` would."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise ShardError(f"{path}: shard file is missing (listed as {info.path!r})") from None
-    except OSError:
-        return None
-    try:
-        guard = FileGuard(path, fd, expect)
-        try:
-            mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError):  # e.g. an empty file
-            os.close(fd)
-            return None
-        parsed = ipc.parse_file(mapped)
-    except BaseException:
-        os.close(fd)
-        raise
-    if parsed is None:
-        close_mmap(mapped)
-        os.close(fd)
-        return None
-    return mapped, guard, parsed
 
 
 FORMAT_CODE = FormatCode(open_reader=ArrowShardReader, range_table=arrow_ranges.range_table,

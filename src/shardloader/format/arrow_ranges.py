@@ -9,9 +9,12 @@ batch.
 
 `rows_from_spans` rebuilds a sparse image of the file (`shardloader.format.spans`: zeros
 outside the fetched spans, which the decode of the requested rows never touches) and reads it
-as the local reader reads the whole file, so rows read by range are byte-identical to rows read
-from the whole file: by `shardloader.format.ipc` for the types it reads, else with pyarrow and
-`BatchRows`.
+as the local reader reads the whole file (pyarrow and `BatchRows`), so rows read by range are
+byte-identical to rows read from the whole file. The record batches the rows lie in are
+checked with pyarrow's structural validation first (buffers as long as their arrays need); not
+its full one, which would read the offsets of rows not fetched (zeros in the image). Row values
+are sliced out of memoryviews, with Python's bounds, so a hostile offset cannot reach past a
+buffer.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from shardloader.errors import ShardError
-from shardloader.format import ipc
 from shardloader.format.ranges import RangeTable, RangeTableBuilder
 from shardloader.format.rows import gather_rows
 from shardloader.format.spans import file_image
@@ -144,49 +146,28 @@ def range_table(data: memoryview | bytes, member_spans: np.ndarray | None = None
 
 
 # -- rows from fetched spans ----------------------------------------------------------------
-def _arrow_rows(table: RangeTable, image: np.ndarray, rows: np.ndarray, where: str) -> list[dict[str, Any]] | None:
-    """`rows_from_spans` of an Arrow file by `shardloader.format.ipc`, which reads the image's
-    footer and the record batches the rows lie in, nothing else; None for a file it does not
-    read, which pyarrow then reads. Why: a worker's first read by range would otherwise import
-    pyarrow, 66 of the 111 ms its first batch took in a cold start (profiled in the worker).
-    The values are those of `BatchRows` (tests/test_format_ranges.py compares them)."""
-    layout = ipc.parse_layout(image)
-    if layout is None or len(layout.blocks) != len(table.group_rows) - 1:
-        return None
-
-    def read_batch(g: int, local: np.ndarray) -> list[dict[str, Any]]:
-        batch = ipc.parse_batch(image, layout, g, local)
-        if batch is None or batch.num_rows != int(table.group_rows[g + 1] - table.group_rows[g]):
-            raise _Declined
-        return ipc.BatchReader(batch).records(local)
-
-    try:
-        return gather_rows(table.group_rows, rows, read_batch, where=where)
-    except _Declined:
-        return None
-
-
-class _Declined(Exception):
-    """A record batch `shardloader.format.ipc` does not read: pyarrow reads the file instead."""
-
-
 def rows_from_spans(table: RangeTable, fetched: Mapping[int, bytes], rows: Sequence[int] | np.ndarray,
                     *, where: str, members: Any = None) -> list[dict[str, Any]]:
     """Records of `rows` of an Arrow file from verified spans `fetched` (see
     `shardloader.format.protocol.RowsFromSpans`; an Arrow file has no `members`)."""
     rows = np.asarray(rows, dtype=np.int64)
     image = file_image(table, fetched, table.needed(rows))
-    records = _arrow_rows(table, image, rows, where)
-    if records is not None:
-        return records
     import pyarrow as pa
     import pyarrow.ipc as pa_ipc
 
     from shardloader.format.schema import BatchRows
 
-    reader = pa_ipc.open_file(pa.py_buffer(image))
+    try:
+        reader = pa_ipc.open_file(pa.py_buffer(image))
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise ShardError(f"{where}: not a readable Arrow IPC file (truncated or corrupt?): {e}") from None
 
     def read_batch(g: int, local: np.ndarray) -> list[dict[str, Any]]:
-        return BatchRows(reader.get_batch(g), where=where, first_row=int(table.group_rows[g])).records(local)
+        try:
+            batch = reader.get_batch(g)
+            batch.validate()
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise ShardError(f"{where}: record batch {g} is not readable (truncated or corrupt?): {e}") from None
+        return BatchRows(batch, where=where, first_row=int(table.group_rows[g])).records(local)
 
     return gather_rows(table.group_rows, rows, read_batch, where=where)

@@ -10,10 +10,11 @@ validating entry by entry, building columns, hashing for the fingerprint). In th
 The table (one record batch, uncompressed, no nulls) has the columns ``path`` (utf8),
 ``format`` (uint8: a position in ``formats``), ``samples`` and ``bytes`` (int64), ``digest``
 (binary: each shard's checksum digest, all of ``checksum_algorithm``) and ``extra`` (utf8: the
-entry's format-specific keys as a JSON object, "" where none). It is written with pyarrow and
-read with `shardloader.format.ipc` (no pyarrow at open): its size and checksum are checked
-against `index.json`, then every column at once with numpy, before any Python object per
-shard exists. An error names the file, the column and the row.
+entry's format-specific keys as a JSON object, "" where none). It is written and read with
+pyarrow: its size and checksum are checked against `index.json`, the record batch with
+pyarrow's full validation (offsets in order and inside their buffers, UTF-8 valid), then every
+column at once with numpy views of its buffers, before any Python object per shard exists. An
+error names the file, the column and the row.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import numpy as np
 from shardloader.errors import DatasetIndexError, UnsafePathError
 from shardloader.format.index import INDEX_FORMAT, MAX_SAMPLES, MAX_SHARD_BYTES, Index
 from shardloader.format.index_columns import ShardColumns, columns_from_buffers, hex_digests
-from shardloader.format.ipc import parse_batch, parse_layout
 from shardloader.format.registry import FORMATS
 from shardloader.io.checksum import DEFAULT_ALGORITHM, checksum_bytes, new_hasher, parse_checksum
 from shardloader.io.paths import safe_relative_path
@@ -36,7 +36,7 @@ TABLE_NAME = "index.shards.arrow"
 TABLE_KEY = "shard_table"
 _COLUMNS = (("path", "varlen", True), ("format", "number", False), ("samples", "number", False),
             ("bytes", "number", False), ("digest", "varlen", False), ("extra", "varlen", True))
-_DTYPES = {"format": np.dtype("<u1"), "samples": np.dtype("<i8"), "bytes": np.dtype("<i8")}
+_TYPES = {"format": "uint8", "samples": "int64", "bytes": "int64"}  # pyarrow's names (str(type))
 _ENTRY_KEYS = {"path", "bytes", "checksum", "rows", "formats", "checksum_algorithm"}
 
 
@@ -151,21 +151,54 @@ def read_table(data: Any, entry: Mapping[str, Any], *, source: str) -> ShardColu
 
 
 def _columns(data: Any, entry: Mapping[str, Any], source: str) -> dict[str, tuple[np.ndarray, ...]]:
-    layout = parse_layout(data)
-    if layout is None or len(layout.blocks) != 1:
-        raise DatasetIndexError(f"{source}: not a shard table (an Arrow IPC file of one record batch "
-                                "that shardloader reads)")
-    found = [(c.name, c.kind, c.text) for c in layout.columns]
-    if found != list(_COLUMNS) or any(c.dtype != _DTYPES[c.name] for c in layout.columns if c.name in _DTYPES):
-        raise DatasetIndexError(f"{source}: the shard table's columns are {found}, expected {list(_COLUMNS)}")
-    batch = parse_batch(data, layout, 0)
+    """Per column, numpy views of its buffers: (values,) for a number, (offsets, bytes) for
+    binary and string; the table checked to be one valid record batch of the expected columns,
+    without nulls, of `entry["rows"]` rows."""
+    import pyarrow as pa
+
+    try:
+        reader = pa.ipc.open_file(pa.py_buffer(data))
+        batch = reader.get_batch(0) if reader.num_record_batches == 1 else None
+        if batch is not None:
+            batch.validate(full=True)
+    except (pa.ArrowException, OSError, ValueError) as e:
+        raise DatasetIndexError(f"{source}: not a shard table (an Arrow IPC file of one valid record "
+                                f"batch): {e}") from None
     if batch is None:
-        raise DatasetIndexError(f"{source}: the shard table's record batch does not parse "
-                                "(buffers outside the file, offsets out of order, or nulls)")
+        raise DatasetIndexError(f"{source}: not a shard table (an Arrow IPC file of one record batch): "
+                                f"it holds {reader.num_record_batches}")
+    found = [(f.name, *_kind(f.type)) for f in batch.schema]
+    if found != list(_COLUMNS) or any(str(f.type) != _TYPES[f.name] for f in batch.schema if f.name in _TYPES):
+        raise DatasetIndexError(f"{source}: the shard table's columns are {found}, expected {list(_COLUMNS)}")
+    if any(column.null_count for column in batch.columns):
+        raise DatasetIndexError(f"{source}: the shard table holds nulls")
     if batch.num_rows != entry["rows"]:
         raise DatasetIndexError(f"{source}: the shard table has {batch.num_rows} rows, index.json "
                                 f"says {entry['rows']}")
-    return {column.name: views for column, views in batch.columns}
+    return {name: _views(column) for name, column in zip(batch.schema.names, batch.columns)}
+
+
+def _kind(dtype: Any) -> tuple[str, bool]:
+    """("varlen", is text) for binary and string types, ("number", False) for others."""
+    import pyarrow as pa
+
+    if pa.types.is_string(dtype) or pa.types.is_large_string(dtype):
+        return "varlen", True
+    if pa.types.is_binary(dtype) or pa.types.is_large_binary(dtype):
+        return "varlen", False
+    return ("number", False) if pa.types.is_integer(dtype) else (str(dtype), False)
+
+
+def _views(array: Any) -> tuple[np.ndarray, ...]:
+    """Zero-copy numpy views of a validated column without nulls."""
+    from shardloader.format.schema import numeric_view
+
+    if _kind(array.type)[0] == "number":
+        return (numeric_view(array),)
+    _, offsets, values = array.buffers()
+    width = 8 if str(array.type) in ("large_string", "large_binary") else 4
+    offsets = np.frombuffer(offsets, dtype=f"<i{width}", count=len(array) + 1, offset=array.offset * width)
+    return offsets, (np.frombuffer(values, dtype=np.uint8) if values is not None else np.empty(0, np.uint8))
 
 
 def _check_range(values: np.ndarray, top: int, name: str, source: str) -> None:

@@ -4,8 +4,9 @@ Each format is one `ShardFormat` in `FORMATS`: what is known of it without loadi
 (file suffix, the companion sidecar its readers need, what `shardloader index` and `Dataset`
 do with it), and a loader of its code, a `FormatCode` (reader, range table, rows from fetched
 spans). The loader imports the format's module on first use: naming a format (validating an
-index, naming a cache file) loads none of its libraries, and reading local Arrow rows or rows
-by range loads no pyarrow (see `shardloader.format.ipc`), which Parquet's code imports.
+index, naming a cache file) loads none of its libraries. Loading Arrow's code loads pyarrow's
+IPC reader with it: a Loader loads its formats' code before forking its workers
+(`BatchProducer.warm_up`), which then share pyarrow's pages instead of each importing it.
 
 Adding a format: a module that exports its `FormatCode` as `FORMAT_CODE`, a loader of it below,
 and its line in `FORMATS`.
@@ -79,6 +80,8 @@ class ShardFormat:
 
 
 def _arrow() -> FormatCode:
+    import pyarrow.ipc  # noqa: F401 - what the reader uses, loaded with its code (see above)
+
     from shardloader.format.arrow import FORMAT_CODE
 
     return FORMAT_CODE

@@ -1,8 +1,7 @@
 """Checks and row gathering shared by every shard reader, without pyarrow.
 
-The Arrow reader that runs in a loader's processes (`shardloader.format.ipc`) and the tar
-reader need these but not pyarrow, which `shardloader.format.schema` imports: kept here so
-that importing them loads no pyarrow (see `shardloader.format.ipc` for what that saves).
+The tar reader needs these but not pyarrow, which `shardloader.format.schema` imports: kept
+here so that importing it loads no pyarrow.
 """
 
 from __future__ import annotations

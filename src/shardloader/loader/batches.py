@@ -159,15 +159,12 @@ class BatchProducer:
         """Import here what producing a batch imports lazily, before worker processes fork.
 
         Forked workers inherit this process's modules (their pages shared copy-on-write)
-        instead of each importing numpy.random, the shard reader stack (for Parquet, pyarrow;
-        local Arrow shards need none, see `shardloader.format.ipc`) and the image libraries
+        instead of each importing numpy.random, the shard reader stack (for Arrow and Parquet,
+        pyarrow: its formats' code is loaded with it, `format.registry`) and the image libraries
         before its first batch (tests/test_startup.py: a worker imports no module the training
         process had not). For a local dataset one sample is read (a reader's first read loads
         what it loads lazily); a remote one would download a shard, so there only the modules
-        are imported. (Arrow rows read by range are built without pyarrow too; for other files
-        the worker that reads them imports it: importing it here made a cold first batch
-        slower, docs/cache.md.) Failures are left for the workers to report with their full
-        context.
+        are imported. Failures are left for the workers to report with their full context.
 
         The garbage collector is paused meanwhile (`shardloader.runtime.startup`): loading
         pyarrow and OpenCV creates many objects and, in a process that holds torch, triggered

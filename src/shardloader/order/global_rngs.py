@@ -3,10 +3,17 @@
 A transform that does not declare `uses_global_rng = False` may draw from `random`, legacy
 `numpy.random` or torch's default generator, and I3 says those draws, for sample g in epoch e,
 are the ones the generators give right after being seeded from the sample's key. Seeding all
-three before every sample (`GlobalRngScope`) costs 25-35 us per sample in a worker, most of
-it `random.seed` and `np.random.seed` (MT19937 initialisation), which is 10-15% of a
-decode-and-crop sample: a user's own function paid it even when it drew only from the
-`generator` it was given.
+three before every sample (`GlobalRngScope`) costs 20-25 us per sample in a worker, most of
+it `random.seed` and `np.random.seed` (MT19937 initialisation): a user's own function paid it
+even when it drew only from the `generator` it was given.
+
+The figure it earns its place with (issue 37; `benchmarks/global_rngs.py`, 2 shared cores):
+eager seeding 22.9 us a sample against this scope's 3.4, so 19 us a sample saved, ~1% of a
+realistic sample (decode and random crop to 224 px of an ImageNet-sized ~110 KB JPEG: 1.8-2.0
+ms). Per batch that is 1.2 ms of a worker's CPU at 64 samples, 5 ms at 256; spread over 8
+workers, 0.3% of a 50 ms step at batch 64, 1.2% at batch 256 (0.08-0.3% of a 200 ms step). A
+user sees it only where the workers are the bottleneck, as ~1% of throughput: at the issue's
+threshold, not clearly above it (kept for now; eager seeding is the simpler alternative).
 
 `LazyGlobalRngScope` gives the same draws for less. Torch's CPU generator is seeded before
 every sample, as before (1 us; reading its state would cost nearly as much, and seeding keeps
