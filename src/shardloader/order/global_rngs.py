@@ -7,13 +7,14 @@ three before every sample (`GlobalRngScope`) costs 20-25 us per sample in a work
 it `random.seed` and `np.random.seed` (MT19937 initialisation): a user's own function paid it
 even when it drew only from the `generator` it was given.
 
-The figure it earns its place with (issue 37; `benchmarks/global_rngs.py`, 2 shared cores):
-eager seeding 22.9 us a sample against this scope's 3.4, so 19 us a sample saved, ~1% of a
-realistic sample (decode and random crop to 224 px of an ImageNet-sized ~110 KB JPEG: 1.8-2.0
-ms). Per batch that is 1.2 ms of a worker's CPU at 64 samples, 5 ms at 256; spread over 8
-workers, 0.3% of a 50 ms step at batch 64, 1.2% at batch 256 (0.08-0.3% of a 200 ms step). A
-user sees it only where the workers are the bottleneck, as ~1% of throughput: at the issue's
-threshold, not clearly above it (kept for now; eager seeding is the simpler alternative).
+The figure it earns its place with (issue 37; 2 shared cores): in a tight loop eager seeding
+costs 22.9 us a sample against this scope's 3.4 (`benchmarks/global_rngs.py`), but between
+real samples (decode and random crop to 224 px of ImageNet-sized ~110 KB JPEGs, 1.8-2.0 ms
+each; the generators' 5 kB of state no longer in the CPU's cache) it cost 54 us a sample more
+than this scope (eager minus none: 65-74 us over 3 runs). Over 8 workers that is 0.9-1.2% of
+a 50 ms step at batch 64 and 3.4-4.7% at batch 256: what a user whose workers are the
+bottleneck sees as throughput. Eager seeding was built and measured (a branch that replaced
+this module, same augmented bytes) and not taken for that figure.
 
 `LazyGlobalRngScope` gives the same draws for less. Torch's CPU generator is seeded before
 every sample, as before (1 us; reading its state would cost nearly as much, and seeding keeps
