@@ -329,7 +329,8 @@ def test_two_real_attempts_give_the_parent_the_accounts_figures(mlflow_server, t
                                str(data), str(root), str(last)],
                               capture_output=True, text=True, timeout=180)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        runs.append(proc.stdout.split())
+        # The first line: MLflow's client prints its "View run ... at" links after it (close).
+        runs.append(proc.stdout.splitlines()[0].split())
     (first, parent_id), (second, parent_again) = runs
     assert parent_id == parent_again and parent_id != "None"
     client = MlflowClient(mlflow_server)
