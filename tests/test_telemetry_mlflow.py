@@ -248,34 +248,36 @@ class AnswersOnlyHealth:
         self.server.server_close()
 
 
-def test_a_hung_request_holds_the_thread_request_timeout_not_mlflows_minutes(monkeypatch,
-                                                                              caplog):
-    # MLflow's defaults (120 s a request, 7 retries) would keep the first log_batch hanging
-    # for the whole test; request_timeout=1 lets the thread give up, back off and try again.
-    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)
-    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+def test_a_server_that_answers_its_probe_then_hangs_holds_neither_training_nor_close(caplog):
+    # The server answers /health and hangs every MLflow call: the thread is stuck in MLflow's
+    # own request (its timeout: 120 s by default), while records still go in without waiting
+    # and close() returns at its deadline with what was not delivered counted and said. The
+    # process's environment (the user's) is left as it was.
     caplog.set_level(logging.WARNING, logger=LOGGER_NAME)
+    environment = dict(os.environ)
     server = AnswersOnlyHealth()
     try:
         logger = MLflowLogger(run_id="0" * 32, tracking_uri=server.url, flush_interval=0.01,
-                              fields=("fetch_seconds",), request_timeout=1)
-        for record in make_records(5):
-            logger.on_batch(record)
+                              fields=("fetch_seconds",))
+        first, *rest = make_records(6)
+        logger.on_batch(first)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and server.requests.count(LOG_BATCH) < 2:
-            time.sleep(0.05)  # polling a count the server's threads append to
-        assert server.requests.count(LOG_BATCH) >= 2, server.requests
+        while time.monotonic() < deadline and LOG_BATCH not in server.requests:
+            time.sleep(0.05)  # polling a list the server's threads append to
+        assert LOG_BATCH in server.requests, "the thread never sent its batch"
+        start = time.monotonic()
+        for record in rest:
+            logger.on_batch(record)
+        assert time.monotonic() - start < 0.5  # nothing waits on the stuck thread
+        assert dict(os.environ) == environment
         start = time.monotonic()
         logger.close(timeout=3)
         assert time.monotonic() - start < 4
-        assert not logger._thread.is_alive()  # its last request, too, gave up in time
-        assert logger.counters()["metrics_undelivered"] == 5
-        assert [m for m in undelivered_warnings(caplog) if "5 of 5 metric(s)" in m]
+        assert logger._thread.daemon  # left behind, stuck, at the deadline: never joined
+        assert logger.counters()["metrics_undelivered"] == 6
+        assert [m for m in undelivered_warnings(caplog) if "6 of 6 metric(s)" in m]
     finally:
         server.close()
-    # The bounds were set only around the thread's calls: the environment is as it was.
-    assert "MLFLOW_HTTP_REQUEST_TIMEOUT" not in os.environ
-    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ
 
 
 LOG_BATCH = "/api/2.0/mlflow/runs/log-batch"

@@ -17,13 +17,14 @@ run's metric histories, logging artifacts) with both bounded:
   the caller stops waiting for when the time left is spent. Only this catches a server that
   trickles bytes, which no per-request timeout does.
 
-`request_bounds(seconds)` is the first of those alone, for `MLflowLogger`'s delivery thread:
-MLflow 3.x reads both variables from `os.environ` at the start of every request
-(`mlflow.utils.rest_utils.http_request`) and has no per-client setting, so they are set for
-the duration of the calls and restored after. Being process-wide, a request another thread
-starts at the same moment gets the same bounds; overlapping blocks share one setting (the
-latest one's), counted so that the last to leave restores what was there before the first. A child forked meanwhile
-gets the variables as they were before (`os.register_at_fork`).
+`request_bounds(seconds)` is the first of those alone. MLflow 3.x reads both variables from
+`os.environ` at the start of every request (`mlflow.utils.rest_utils.http_request`) and has no
+per-client setting, so they are set for the duration of the calls and restored after:
+process-wide, which suits a command of its own (`shardloader report`), not a training process
+whose environment is the user's (`MLflowLogger` leaves it alone; see `delivery`). Overlapping
+blocks share one setting (the latest one's), counted so that the last to leave restores what
+was there before the first. A child forked meanwhile gets the variables as they were before
+(`os.register_at_fork`).
 
 A server that refuses connections, resets them or does not answer within `timeout` becomes a
 `TelemetryInputError` naming the server, the step and the reason; any other error of the step

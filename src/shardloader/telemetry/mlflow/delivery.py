@@ -3,11 +3,16 @@
 `Delivery` is what talks to MLflow, with MLflow's own client (`MlflowClient.log_batch`, up to
 1,000 metrics a call), on `MLflowLogger`'s background thread, never on the training thread:
 creating the run (or, for the other ranks of an `all_ranks` logger, finding rank 0's run by
-its token), logging, putting the run under its job's parent run, ending it. For an HTTP
-tracking server each of those calls runs under `bounded.request_bounds(request_timeout)`:
-every request waits at most `request_timeout` seconds and MLflow does not retry it (its
-default: 120 s per request, 7 retries with backoff, about 20 minutes for one call to a silent
-server); this class retries with its own backoff instead.
+its token), logging, putting the run under its job's parent run, ending it. Each call to an
+HTTP tracking server runs with MLflow's own request timeout and retries (its defaults: 120 s a
+request, 7 retries; `MLFLOW_HTTP_REQUEST_TIMEOUT`, `MLFLOW_HTTP_REQUEST_MAX_RETRIES`). They are
+not changed here: they are read from the process's environment, which in the training process
+is the user's (the writer process this replaced set them in its own), and changing a
+variable from this thread while others may read the C environment is not safe. A short probe
+with its own timeout runs before each attempt, so a server that is down costs the thread
+`probe_timeout`; one that answers the probe and then hangs holds this thread, never training
+nor `close()` (the logger abandons a stuck thread at its deadline, counting what it did not
+deliver).
 
 Rows (what the logger hands over), plain tuples:
     ("b", step, timestamp_ms, (value, ...))  - one batch record, values in `keys` order
@@ -16,7 +21,6 @@ Rows (what the logger hands over), plain tuples:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -25,7 +29,6 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from shardloader.telemetry.mlflow.bounded import request_bounds
 from shardloader.telemetry.mlflow.jobruns import JobRuns
 from shardloader.telemetry.mlflow.owner import TAG_HOST, owner_is_gone
 from shardloader.telemetry.mlflow.probe import is_http, probe
@@ -81,13 +84,12 @@ class Delivery:
     `owner_tags` and `run_token`) when `create_run`, else found by its `run_token` tag (rank 0
     creates it). `owns_run` marks a run this side ends on `finish()`. `job` (or a later
     `set_job`): the job's attempt; the run is then put under the job's parent run, and
-    `close()` logs the job's figures (see `jobruns`). `request_timeout`: the bound of each
-    HTTP request (see the module's docstring).
+    `close()` logs the job's figures (see `jobruns`).
     """
 
     def __init__(self, *, tracking_uri: str, run_id: str | None, experiment: str | None,
                  keys: tuple[str, ...], suffix: str, max_pending: int, probe_timeout: float,
-                 request_timeout: float, owns_run: bool, create_run: bool = True, run_token: str | None = None,
+                 owns_run: bool, create_run: bool = True, run_token: str | None = None,
                  owner_tags: dict[str, str] | None = None, sweep: bool = False,
                  job: dict[str, Any] | None = None) -> None:
         from mlflow import MlflowClient
@@ -100,7 +102,6 @@ class Delivery:
         self.suffix = suffix
         self.max_pending = max_pending
         self.probe_timeout = probe_timeout
-        self.request_timeout = request_timeout
         self.owns_run = owns_run
         self.create_run = create_run
         self.run_token = run_token
@@ -117,16 +118,6 @@ class Delivery:
         self.metrics_logged = 0
         self.metrics_dropped = 0
         self.batch_calls = 0
-
-    def _bounded(self, deadline: float | None = None) -> contextlib.AbstractContextManager[Any]:
-        """The bounds of MLflow's requests to an HTTP server (within `deadline`, a
-        time.monotonic() value, when given); other stores: none."""
-        if not is_http(self.tracking_uri):
-            return contextlib.nullcontext()
-        seconds = self.request_timeout
-        if deadline is not None:
-            seconds = min(seconds, deadline - time.monotonic())
-        return request_bounds(seconds)
 
     def set_job(self, info: dict[str, Any]) -> None:
         """This process's attempt of a job became known: put the run under its parent run."""
@@ -165,13 +156,12 @@ class Delivery:
             return
         if self.swept or not server_reachable(self.tracking_uri, self.probe_timeout):
             return
-        with self._bounded():
-            try:
-                experiment_id = self.client.get_run(self.run_id).info.experiment_id
-            except Exception as exc:  # noqa: BLE001 - best effort
-                log.warning("could not read MLflow run %s: %r", self.run_id, exc)
-                return
-            self._mark_stale_runs_failed(experiment_id)
+        try:
+            experiment_id = self.client.get_run(self.run_id).info.experiment_id
+        except Exception as exc:  # noqa: BLE001 - best effort
+            log.warning("could not read MLflow run %s: %r", self.run_id, exc)
+            return
+        self._mark_stale_runs_failed(experiment_id)
 
     def _ensure_run(self) -> bool:
         """Create or find the run; False (after `_failed`) if that is not possible now."""
@@ -236,7 +226,7 @@ class Delivery:
     # -- sending --------------------------------------------------------------------------------
     def deliver(self, force: bool = False, deadline: float | None = None) -> None:
         """Send what is buffered (creating the run first), unless backing off (`force` retries
-        now). Each request within `request_timeout` (and `deadline`, when given)."""
+        now)."""
         linking = self.job is not None and self.job.wants_link(force)
         if not self.pending and self.run_id is not None and not linking:
             return
@@ -247,8 +237,7 @@ class Delivery:
             if reason is not None:
                 self._failed(f"tracking server {self.tracking_uri}: {reason}")
                 return
-        with self._bounded(deadline):
-            self._send(linking)
+        self._send(linking)
 
     def _send(self, linking: bool) -> None:
         if not self._ensure_run():
@@ -302,8 +291,7 @@ class Delivery:
         job = self.job
         if (job is not None and job.linked and self.healthy
                 and server_reachable(self.tracking_uri, self.probe_timeout)):
-            with self._bounded(deadline):
-                job.close(self.client, self.run_id, deadline)
+            job.close(self.client, self.run_id, deadline)
         self.finish(deadline)
 
     def finish(self, deadline: float | None = None) -> None:
@@ -312,8 +300,7 @@ class Delivery:
             if not server_reachable(self.tracking_uri, self.probe_timeout):
                 return
             try:
-                with self._bounded(deadline):
-                    self.client.set_terminated(self.run_id, status="FINISHED")
+                self.client.set_terminated(self.run_id, status="FINISHED")
             except Exception as exc:  # noqa: BLE001
                 log.warning("could not mark MLflow run %s FINISHED: %r", self.run_id, exc)
             self.owns_run = False

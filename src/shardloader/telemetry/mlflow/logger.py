@@ -16,9 +16,11 @@ given, is started on the calling thread, so that it is the thread's active run.)
 A tracking server that is down or hangs never stalls or crashes training:
 - when the queue is full, new records are dropped and counted (`dropped`);
 - before talking to an HTTP server the background thread sends one short probe
-  (`probe_timeout`), and every MLflow request waits at most `request_timeout` seconds with no
-  retries of MLflow's own (`bounded.request_bounds`), so one hung request holds the thread
-  seconds, not MLflow's 20 minutes;
+  (`probe_timeout`): a server that is down costs it that much, and MLflow's own request
+  timeout and retries apply to the calls themselves (`MLFLOW_HTTP_REQUEST_TIMEOUT`,
+  `MLFLOW_HTTP_REQUEST_MAX_RETRIES`: the process's environment is the user's, so they are left
+  as the user set them); a server that answers the probe and then hangs holds the thread,
+  never training or `close()`;
 - metrics that could not be sent stay in a bounded buffer and are retried with backoff (up to
   30 s apart); the oldest are dropped and counted (`metrics_dropped`) when it overflows;
 - `close()` returns within `close_timeout` seconds whatever the server does (a thread still
@@ -97,8 +99,9 @@ class MLflowLogger(BackgroundSink):
     `fields` are the `BatchRecord` fields logged per batch (metric key = `prefix + field`).
     `jsonl_path` also writes every record to a JSON-lines file (see `JsonlLogger`).
     Time limits: `close_timeout` bounds `close()` (and `flush()` by default); `probe_timeout`
-    the liveness probe before each delivery attempt; `request_timeout` each MLflow request to
-    an HTTP server (not retried by MLflow). `process` is ignored: it chose the writer process,
+    the liveness probe before each delivery attempt. `request_timeout` is ignored: it bounded
+    each request of the writer process through that process's own environment (set
+    `MLFLOW_HTTP_REQUEST_TIMEOUT` instead). `process` is ignored: it chose the writer process,
     removed (issue 37); `process=True` warns (DeprecationWarning). Job: when this process's
     attempt of a job is known (a `Checkpointer` made it), rank 0's run becomes a child of the job's parent run (`parent_run_id`), which
     gets the job's figures (`job/goodput`, `job/seconds/...`) at close. Counters: `dropped`
@@ -343,7 +346,7 @@ class MLflowLogger(BackgroundSink):
             tracking_uri=self.tracking_uri, run_id=self.run_id, experiment=self.experiment,
             keys=tuple(self.prefix + f + self.suffix for f in self.fields), suffix=self.suffix,
             max_pending=self.max_queue * max(1, len(self.fields)),
-            probe_timeout=self.probe_timeout, request_timeout=self.request_timeout,
+            probe_timeout=self.probe_timeout,
             owns_run=False, create_run=self._create_run, run_token=self._run_token,
             owner_tags=self._owner_tags, sweep=self._sweep, job=self._job or None)
         self._delivery.start()  # creates or finds the run right away
