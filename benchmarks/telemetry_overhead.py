@@ -1,10 +1,10 @@
 """Loader throughput with telemetry on vs off: what logging fetch_seconds costs training.
 
 The Loader always keeps its StatsAggregator (that is `loader.stats()`); "off" is
-`telemetry=None`, "mlflow" is an `MLflowLogger` (default settings: a writer process)
-writing every step's 11 metrics into a local MLflow store (sqlite in a temp dir: MLflow's
-default kind of store, no server), "mlflow-thread" the same with `process=False` (MLflow's work
-in a thread of the training process), "mlflow-silent" the default logger against a tracking
+`telemetry=None`, "mlflow" is an `MLflowLogger` (default settings: MLflow's client in one
+background thread of the training process) writing every step's metrics into a local MLflow
+store (sqlite in a temp dir: MLflow's default kind of store, no server), "mlflow-silent" the
+same logger against a tracking
 server that accepts connections and never answers (a listening socket nobody reads; the
 logger's constructor time is reported, and it is closed with `close(timeout=3)`), "jsonl"
 a `JsonlLogger`, and "job" no sink but a `Checkpointer` open on a local root: the job's
@@ -19,11 +19,11 @@ records dropped, and how long close() took to deliver what was still queued at t
 Run: .venv/bin/python -m benchmarks.telemetry_overhead [--repeats 7] [--samples 32768]
      [--modes mlflow mlflow-silent] [--server]
 
-`--server`: "mlflow" and "mlflow-thread" write to a real `mlflow server` on 127.0.0.1 (sqlite
-backend, started as the tests start it) instead of a local store: what a job logging to a
-tracking server pays (issue 37: a writer process against MLflow's client in a thread), e.g.
+`--server`: "mlflow" writes to a real `mlflow server` on 127.0.0.1 (sqlite backend, started as
+the tests start it) instead of a local store: what a job logging to a tracking server pays
+(issue 37, which retired the writer process this once compared against), e.g.
 
-    .venv/bin/python -m benchmarks.telemetry_overhead --server --modes mlflow mlflow-thread \
+    .venv/bin/python -m benchmarks.telemetry_overhead --server --modes mlflow \
         --workers 2 --step-ms 5 50 --batch 64 --samples 8192 --repeats 5
 """
 
@@ -47,7 +47,7 @@ from shardloader.ingest.writer import write_shards
 from shardloader.loader import Loader
 from shardloader.telemetry import JsonlLogger, MLflowLogger
 
-MODES = ("off", "mlflow", "mlflow-thread", "mlflow-silent", "jsonl", "job")
+MODES = ("off", "mlflow", "mlflow-silent", "jsonl", "job")
 SILENT_CLOSE_TIMEOUT = 3.0
 
 
@@ -79,9 +79,8 @@ def one_epoch(path: str, mode: str, tracking_uri: str, tmp: str, workers: int,
     construct = time.perf_counter()
     if mode == "mlflow-silent":
         sink = MLflowLogger(tracking_uri=silent_uri, experiment="overhead")
-    elif mode.startswith("mlflow"):
-        sink = MLflowLogger(tracking_uri=tracking_uri, experiment="overhead",
-                            process=mode == "mlflow")
+    elif mode == "mlflow":
+        sink = MLflowLogger(tracking_uri=tracking_uri, experiment="overhead")
     elif mode == "jsonl":
         sink = JsonlLogger(os.path.join(tmp, f"t-{time.monotonic_ns()}.jsonl"))
     construct = time.perf_counter() - construct if sink is not None else 0.0
@@ -91,8 +90,8 @@ def one_epoch(path: str, mode: str, tracking_uri: str, tmp: str, workers: int,
     iterator = iter(loader)
     next(iterator)  # workers started, first shard open: not what we measure
     if sink is not None:
-        # The writer process is up (a one-off cost per run, not per batch); against the silent
-        # server this returns False once the writer's first probe timed out.
+        # The run exists (a one-off cost per run, not per batch); against the silent server
+        # this returns False once the thread's first probe timed out.
         sink.flush(60 if mode != "mlflow-silent" else 10)
     start, cpu = time.perf_counter(), time.process_time()
     for _ in iterator:
@@ -120,12 +119,11 @@ def sink_costs(tmp: str, tracking_uri: str, n: int = 20_000) -> list[list[object
                            time=1.8e9 + i / 100, read_seconds=1e-3, transform_seconds=2e-3,
                            shard_wait_seconds=0.0, queue_depth=2) for i in range(n)]
     rows = []
-    for name in ("jsonl", "mlflow-thread"):
+    for name in ("jsonl", "mlflow"):
         if name == "jsonl":
             sink: Any = JsonlLogger(os.path.join(tmp, "costs.jsonl"), max_queue=n)
         else:
-            sink = MLflowLogger(tracking_uri=tracking_uri, experiment="costs", max_queue=n,
-                                process=False)
+            sink = MLflowLogger(tracking_uri=tracking_uri, experiment="costs", max_queue=n)
         cpu = time.process_time()
         start = time.perf_counter()
         for record in records:
@@ -153,6 +151,7 @@ def main() -> None:
     args = parser.parse_args()
     modes = ["off"] + [m for m in args.modes if m != "off"]
     logging.getLogger("mlflow").setLevel(logging.WARNING)
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "1")  # a line per run
     print(f"telemetry overhead: {machine()}; {load_average()}")
     listener, silent_uri = silent_server()
     with listener, tempfile.TemporaryDirectory() as tmp:

@@ -165,7 +165,7 @@ def test_mlflow_run_report_reads_back_and_logs_artifacts(mlflow_local_store, tmp
     # Artifacts go under tmp_path, not MLflow's default ./mlruns in the working directory.
     MlflowClient(mlflow_local_store).create_experiment(
         "report", artifact_location=(tmp_path / "artifacts").as_uri())
-    logger = MLflowLogger(tracking_uri=mlflow_local_store, experiment="report", process=False,
+    logger = MLflowLogger(tracking_uri=mlflow_local_store, experiment="report",
                           fields=LOGGABLE_FIELDS)
     for r in records:
         logger.on_batch(r)

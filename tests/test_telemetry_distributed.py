@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent("""
     out, uri = sys.argv[1], sys.argv[2]
     agg = StatsAggregator()
     logger = MLflowLogger(tracking_uri=uri, experiment="two-ranks", all_ranks=True,
-                          fields=("fetch_seconds",), process=False)
+                          fields=("fetch_seconds",))
     for step in range(10):
         record = BatchRecord(step=step, epoch=0, rank=rank, samples=8 + rank,
                              fetch_seconds=0.01 * (rank + 1) + step / 1000, time=100.0 + step,

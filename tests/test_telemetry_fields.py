@@ -130,7 +130,7 @@ def test_every_metric_field_can_go_to_mlflow_and_back(mlflow_local_store):
     assert set(LOGGABLE_FIELDS) == set(METRIC_FIELDS) | {"epoch"}
     with_sink, _ = _recorded(_Capture())
     record = BatchRecord(**with_sink)
-    logger = MLflowLogger(tracking_uri=mlflow_local_store, experiment="fields", process=False,
+    logger = MLflowLogger(tracking_uri=mlflow_local_store, experiment="fields",
                           fields=LOGGABLE_FIELDS)
     logger.on_batch(record)
     logger.close()

@@ -45,7 +45,7 @@ def test_slow_storage_is_reported_as_storage(tmp_path, http_server, fault_proxy,
     MlflowClient(mlflow_local_store).create_experiment(
         "slow-storage", artifact_location=(tmp_path / "artifacts").as_uri())
     logger = MLflowLogger(tracking_uri=mlflow_local_store, experiment="slow-storage",
-                          jsonl_path=tmp_path / "t.jsonl", process=False)
+                          jsonl_path=tmp_path / "t.jsonl")
     loader = Loader(dataset, 4, num_workers=0, seed=1, telemetry=logger)
     train(loader)
     logger.close()

@@ -1,4 +1,5 @@
-"""Bounded calls to an MLflow tracking server, for a command that must not outwait a dead one.
+"""Bounded calls to an MLflow tracking server: per request (`request_bounds`) and, for a command
+that must not outwait a dead server, all of its calls together (`BoundedServer`).
 
 MLflow's client waits `MLFLOW_HTTP_REQUEST_TIMEOUT` (120 s) for each request and retries it
 `MLFLOW_HTTP_REQUEST_MAX_RETRIES` (7) times, with a backoff of 4 s doubling up to 120 s
@@ -16,6 +17,15 @@ run's metric histories, logging artifacts) with both bounded:
   the caller stops waiting for when the time left is spent. Only this catches a server that
   trickles bytes, which no per-request timeout does.
 
+`request_bounds(seconds)` is the first of those alone. MLflow 3.x reads both variables from
+`os.environ` at the start of every request (`mlflow.utils.rest_utils.http_request`) and has no
+per-client setting, so they are set for the duration of the calls and restored after:
+process-wide, which suits a command of its own (`shardloader report`), not a training process
+whose environment is the user's (`MLflowLogger` leaves it alone; see `delivery`). Overlapping
+blocks share one setting (the latest one's), counted so that the last to leave restores what
+was there before the first. A child forked meanwhile gets the variables as they were before
+(`os.register_at_fork`).
+
 A server that refuses connections, resets them or does not answer within `timeout` becomes a
 `TelemetryInputError` naming the server, the step and the reason; any other error of the step
 (an unknown run, an HTTP error status) is raised unchanged. Stores that are not HTTP (a local
@@ -29,6 +39,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from shardloader.telemetry.mlflow.probe import is_http
@@ -77,7 +88,7 @@ class BoundedServer:
             except BaseException as e:  # noqa: BLE001 - handed to the caller below
                 outcome["error"] = e
 
-        with _environment({_TIMEOUT_ENV: str(self.request_seconds), _RETRIES_ENV: "0"}):
+        with request_bounds(self.timeout):
             worker = threading.Thread(target=step, name="shardloader-mlflow-call", daemon=True)
             started = time.monotonic()
             worker.start()
@@ -144,21 +155,48 @@ def _causes(error: BaseException) -> Iterator[BaseException]:
                 pending.append(linked)
 
 
-class _environment:
-    """Set environment variables for a `with` block; restore them (or their absence) after."""
+@contextmanager
+def request_bounds(timeout: float) -> Iterator[None]:
+    """Within the block, each HTTP request MLflow's client makes waits at most `timeout` seconds
+    (rounded up to a whole second) and is not retried; see the module's docstring."""
+    global _users
+    with _bounds_lock:
+        for key, value in ((_TIMEOUT_ENV, str(max(1, math.ceil(timeout)))), (_RETRIES_ENV, "0")):
+            if _users == 0:
+                _saved[key] = os.environ.get(key)
+            os.environ[key] = value  # each block sets them: someone may have changed them
+        _users += 1
+    try:
+        yield
+    finally:
+        with _bounds_lock:
+            _users -= 1
+            if _users == 0:
+                _restore()
 
-    def __init__(self, values: dict[str, str]) -> None:
-        self.values = values
-        self.saved: dict[str, str | None] = {}
 
-    def __enter__(self) -> None:
-        for key, value in self.values.items():
-            self.saved[key] = os.environ.get(key)
+def _restore() -> None:
+    for key, value in _saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
             os.environ[key] = value
+    _saved.clear()
 
-    def __exit__(self, *exc: object) -> None:
-        for key, value in self.saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+
+def _reset_in_forked_child() -> None:
+    """A child forked inside a `request_bounds` block: its environment as it was before the
+    block, and a lock no thread of the parent can be holding."""
+    global _bounds_lock, _users
+    _bounds_lock = threading.Lock()
+    if _users:
+        _restore()
+    _users = 0
+
+
+_bounds_lock = threading.Lock()
+_users = 0  # request_bounds blocks open in this process
+_saved: dict[str, str | None] = {}  # the variables' values before the first of them
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_forked_child)

@@ -1,20 +1,22 @@
 """Delivery of metric rows to MLflow: run creation, buffering, batching, health checks, backoff.
 
-`Delivery` is what actually talks to MLflow. It runs either in the logger's background thread
-(`MLflowLogger(process=False)`) or in a small writer process (the default), started with
-`python -m shardloader.telemetry.mlflow.writer` and fed through a socket pair, so that
-MLflow's own per-metric work (protobuf/JSON for a server, SQLAlchemy for a local store:
-20-70 microseconds of CPU per metric) never holds the training process's GIL. Every network
-call MLflow makes happens here, never on the training thread: creating the run (or, for the
-other ranks of an `all_ranks` logger, finding rank 0's run by its token), logging, ending it.
+`Delivery` is what talks to MLflow, with MLflow's own client (`MlflowClient.log_batch`, up to
+1,000 metrics a call), on `MLflowLogger`'s background thread, never on the training thread:
+creating the run (or, for the other ranks of an `all_ranks` logger, finding rank 0's run by
+its token), logging, putting the run under its job's parent run, ending it. Each call to an
+HTTP tracking server runs with MLflow's own request timeout and retries (its defaults: 120 s a
+request, 7 retries; `MLFLOW_HTTP_REQUEST_TIMEOUT`, `MLFLOW_HTTP_REQUEST_MAX_RETRIES`). They are
+not changed here: they are read from the process's environment, which in the training process
+is the user's (the writer process this replaced set them in its own), and changing a
+variable from this thread while others may read the C environment is not safe. A short probe
+with its own timeout runs before each attempt, so a server that is down costs the thread
+`probe_timeout`; one that answers the probe and then hangs holds this thread, never training
+nor `close()` (the logger abandons a stuck thread at its deadline, counting what it did not
+deliver).
 
-Rows (what the logger sends), plain tuples so they pickle cheaply:
+Rows (what the logger hands over), plain tuples:
     ("b", step, timestamp_ms, (value, ...))  - one batch record, values in `keys` order
     ("m", {name: value}, step, timestamp_ms) - free-form metrics (name gets the rank suffix)
-    ("a", attempt_info)                      - the job's attempt is known (see `jobruns`)
-Messages to the writer process: ("rows", [row, ...]), ("flush", n), ("close", seconds).
-Replies: ("state", state) once the run is known (and again once it is under its job's parent
-run), ("ack", n, state) to a flush, ("closed", state) to a close.
 """
 
 from __future__ import annotations
@@ -80,9 +82,9 @@ class Delivery:
     `max_pending` metrics and drops the oldest beyond that (counted). `run_id` None means the
     run is made here when the server answers: created (in `experiment`, tagged with
     `owner_tags` and `run_token`) when `create_run`, else found by its `run_token` tag (rank 0
-    creates it). `owns_run` marks a run this side ends on `finish()`. `job` (or a later "a"
-    row): the job's attempt; the run is then put under the job's parent run, and `close()`
-    logs the job's figures (see `jobruns`).
+    creates it). `owns_run` marks a run this side ends on `finish()`. `job` (or a later
+    `set_job`): the job's attempt; the run is then put under the job's parent run, and
+    `close()` logs the job's figures (see `jobruns`).
     """
 
     def __init__(self, *, tracking_uri: str, run_id: str | None, experiment: str | None,
@@ -117,12 +119,10 @@ class Delivery:
         self.metrics_dropped = 0
         self.batch_calls = 0
 
-    def state(self) -> dict[str, Any]:
-        return {"metrics_logged": self.metrics_logged, "metrics_dropped": self.metrics_dropped,
-                "metrics_pending": len(self.pending), "batch_calls": self.batch_calls,
-                "run_id": self.run_id, "owns_run": self.owns_run, "healthy": self.healthy,
-                "parent_run_id": self.job.parent_id if self.job else None,
-                "job_errors": self.job.errors if self.job else 0}
+    def set_job(self, info: dict[str, Any]) -> None:
+        """This process's attempt of a job became known: put the run under its parent run."""
+        if self.job is None:
+            self.job = JobRuns(info)
 
     def add(self, rows: Iterable[tuple[Any, ...]]) -> None:
         from mlflow.entities import Metric
@@ -130,10 +130,7 @@ class Delivery:
         pending = self.pending
         keys = self.keys
         for row in rows:
-            if row[0] == "a":
-                if self.job is None:
-                    self.job = JobRuns(row[1])
-            elif row[0] == "b":
+            if row[0] == "b":
                 _, step, ts, values = row
                 for key, value in zip(keys, values, strict=True):
                     pending.append(Metric(key, float(value), ts, step))
@@ -156,13 +153,15 @@ class Delivery:
         run created by the logger itself: look for runs left RUNNING by dead trainers)."""
         if self.run_id is None:
             self.deliver(force=True)
-        elif not self.swept and server_reachable(self.tracking_uri, self.probe_timeout):
-            try:
-                experiment_id = self.client.get_run(self.run_id).info.experiment_id
-            except Exception as exc:  # noqa: BLE001 - best effort
-                log.warning("could not read MLflow run %s: %r", self.run_id, exc)
-                return
-            self._mark_stale_runs_failed(experiment_id)
+            return
+        if self.swept or not server_reachable(self.tracking_uri, self.probe_timeout):
+            return
+        try:
+            experiment_id = self.client.get_run(self.run_id).info.experiment_id
+        except Exception as exc:  # noqa: BLE001 - best effort
+            log.warning("could not read MLflow run %s: %r", self.run_id, exc)
+            return
+        self._mark_stale_runs_failed(experiment_id)
 
     def _ensure_run(self) -> bool:
         """Create or find the run; False (after `_failed`) if that is not possible now."""
@@ -225,7 +224,7 @@ class Delivery:
             log.warning("could not check for runs left RUNNING by dead processes: %r", exc)
 
     # -- sending --------------------------------------------------------------------------------
-    def deliver(self, force: bool = False) -> None:
+    def deliver(self, force: bool = False, deadline: float | None = None) -> None:
         """Send what is buffered (creating the run first), unless backing off (`force` retries
         now)."""
         linking = self.job is not None and self.job.wants_link(force)
@@ -238,6 +237,9 @@ class Delivery:
             if reason is not None:
                 self._failed(f"tracking server {self.tracking_uri}: {reason}")
                 return
+        self._send(linking)
+
+    def _send(self, linking: bool) -> None:
         if not self._ensure_run():
             return
         if linking:
@@ -282,25 +284,25 @@ class Delivery:
         except while the server answers and only rank 0's shared run is still missing
         (retried until `deadline`, a time.monotonic() value)."""
         self.stopping = True
-        self.deliver(force=True)
+        self.deliver(force=True, deadline=deadline)
         while self.waiting_for_run and time.monotonic() + 0.3 < deadline:
             time.sleep(0.2)  # rank 0 is creating the run right now; nothing to wait on but time
-            self.deliver(force=True)
+            self.deliver(force=True, deadline=deadline)
         job = self.job
         if (job is not None and job.linked and self.healthy
                 and server_reachable(self.tracking_uri, self.probe_timeout)):
             job.close(self.client, self.run_id, deadline)
-        self.finish()
+        self.finish(deadline)
 
-    def finish(self, status: str = "FINISHED") -> None:
-        """Mark a run this side created as ended (only if the server answers)."""
+    def finish(self, deadline: float | None = None) -> None:
+        """Mark a run this side created FINISHED (only if the server answers)."""
         if self.owns_run and self.healthy and self.run_id is not None:
             if not server_reachable(self.tracking_uri, self.probe_timeout):
                 return
             try:
-                self.client.set_terminated(self.run_id, status=status)
+                self.client.set_terminated(self.run_id, status="FINISHED")
             except Exception as exc:  # noqa: BLE001
-                log.warning("could not mark MLflow run %s %s: %r", self.run_id, status, exc)
+                log.warning("could not mark MLflow run %s FINISHED: %r", self.run_id, exc)
             self.owns_run = False
 
     def _failed(self, why: str) -> None:
@@ -314,37 +316,3 @@ class Delivery:
         if now - self._last_warning > 30.0:
             self._last_warning = now
             log.warning(message)
-
-
-# -- the writer process ---------------------------------------------------------------------
-def serve(conn: Any, delivery: Delivery, flush_interval: float) -> None:
-    """The writer process's loop: take rows, deliver them, answer flush and close requests.
-
-    End of file on the connection means the training process closed it without a word (or
-    died: then `die_with_parent` ends this process anyway): stop at once, end nothing."""
-    delivery.start()
-    reported: tuple[Any, Any] = (None, None)  # (run id, parent run id) last reported
-    while True:
-        known = (delivery.run_id, delivery.job.parent_id if delivery.job else None)
-        if known != reported and delivery.run_id is not None:
-            conn.send(("state", delivery.state()))  # one small message: wait_run_id() sees it
-            reported = known
-        try:
-            ready = conn.poll(flush_interval)
-            message = conn.recv() if ready else None
-        except (EOFError, OSError):
-            return
-        if message is not None:
-            kind = message[0]
-            if kind == "rows":
-                delivery.add(message[1])
-            elif kind == "flush":
-                delivery.deliver(force=True)
-                conn.send(("ack", message[1], delivery.state()))
-                reported = (delivery.run_id, delivery.job.parent_id if delivery.job else None)
-                continue
-            elif kind == "close":
-                delivery.close(time.monotonic() + float(message[1]))
-                conn.send(("closed", delivery.state()))
-                return
-        delivery.deliver()

@@ -11,8 +11,8 @@ the attempt's last step, so that each attempt adds a point to the job's goodput 
 
 Where it runs: `current_attempt` and `attempt_info` on the logger's background thread (a
 module-global read each time it wakes: the attempt appears when the user creates a
-`Checkpointer`, usually after the logger); everything else on the delivery side (the writer
-process or the background thread), never on the training thread. Nothing here raises into
+`Checkpointer`, usually after the logger); everything else in its `Delivery` on the same
+thread, never on the training thread. Nothing here raises into
 training: `Delivery` catches and counts what fails.
 
 The parent run is RUNNING while an attempt's logger links to it and FINISHED after each
@@ -64,9 +64,9 @@ def current_attempt() -> Any | None:
 
 
 def attempt_info(attempt: Any) -> dict[str, Any]:
-    """What the delivery side needs to know of `attempt`, as a plain dict (it is pickled to the
-    writer process). `job_dir` None: no local directory holds the whole job (a remote
-    checkpoint root: only this attempt's files are local), so no figures are logged."""
+    """What the delivery needs to know of `attempt`, as a plain dict. `job_dir` None: no local
+    directory holds the whole job (a remote checkpoint root: only this attempt's files are
+    local), so no figures are logged."""
     job_dir = None if getattr(attempt, "remote", False) else attempt.job_dir
     return {"job_id": str(attempt.job_id), "job_name": str(attempt.job_name or ""),
             "attempt_id": str(attempt.attempt_id), "rank": int(attempt.rank),

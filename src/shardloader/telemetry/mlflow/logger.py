@@ -1,40 +1,42 @@
 """`MLflowLogger`: per-batch telemetry to MLflow, off the training thread, never blocking it.
 
 The training thread only appends the record to a bounded queue (`on_batch` costs about a
-microsecond). A daemon thread packs the queued records into plain tuples once per
-`flush_interval` (or sooner when the queue is half full) and hands them to the delivery side,
-which turns them into metrics (the training step is the MLflow step, the delivery time the
-timestamp) and sends them with `MlflowClient.log_batch`, up to 1,000 metrics per call.
-
-By default the delivery side is a small writer process (`process=True`): MLflow spends 20-70
-microseconds of CPU per metric (protobuf and JSON for a server, SQLAlchemy for a local store),
-which in the training process would hold the GIL for ~1 ms per batch of 11 metrics. With
-`process=False` it runs in the background thread instead.
+microsecond). One daemon thread of the training process takes the queued records once per
+`flush_interval` (or sooner when the queue is half full) and hands them to its `Delivery`
+(`delivery`), which turns them into metrics (the training step is the MLflow step, the
+record's time the timestamp) and sends them with MLflow's own `MlflowClient.log_batch`, up to
+1,000 metrics per call.
 
 No network call runs on the training thread: the constructor returns at once whatever the
-tracking server does, and the run is created (or found) by the delivery side. `run_id` is None
-until the delivery side knows it; `wait_run_id(timeout)` waits for it, at most `timeout`
+tracking server does, and the run is created (or found) by the background thread. `run_id` is
+None until that thread knows it; `wait_run_id(timeout)` waits for it, at most `timeout`
 seconds. (Only a run in a local store, started when neither `run_id` nor `tracking_uri` is
 given, is started on the calling thread, so that it is the thread's active run.)
 
 A tracking server that is down or hangs never stalls or crashes training:
 - when the queue is full, new records are dropped and counted (`dropped`);
-- before talking to an HTTP server the delivery side sends one short probe (`probe_timeout`),
-  so a dead or silent server does not put it into MLflow's retry loop; the writer process
-  also caps every MLflow request at `request_timeout` seconds with no retries of MLflow's own;
+- before talking to an HTTP server the background thread sends one short probe
+  (`probe_timeout`): a server that is down costs it that much, and MLflow's own request
+  timeout and retries apply to the calls themselves (`MLFLOW_HTTP_REQUEST_TIMEOUT`,
+  `MLFLOW_HTTP_REQUEST_MAX_RETRIES`: the process's environment is the user's, so they are left
+  as the user set them); a server that answers the probe and then hangs holds the thread,
+  never training or `close()`;
 - metrics that could not be sent stay in a bounded buffer and are retried with backoff (up to
   30 s apart); the oldest are dropped and counted (`metrics_dropped`) when it overflows;
-- `close()` returns within `close_timeout` seconds whatever the server does (a writer process
-  still busy then is killed), and warns with the number of metrics not delivered;
-- the writer process dies with the training process (parent-death signal and a parent-pid
-  check) and its socket is closed in every child forked later (loader workers), so a killed
-  trainer leaves nothing behind; its run, left RUNNING, is marked FAILED by the next logger
-  that creates a run in the same experiment on the same machine.
+- `close()` returns within `close_timeout` seconds whatever the server does (a thread still
+  stuck then is a daemon and is left behind), and warns with the number of metrics not
+  delivered; a logger never closed is closed the same way at interpreter exit.
+- a loader worker forked from the training process has no copy of the thread (fork copies
+  only the calling thread) and forgets the logger: its `close()` does nothing, since the run
+  belongs to the training process. A killed trainer's run, left RUNNING, is marked FAILED by
+  the next logger that creates a run in the same experiment on the same machine (`owner`).
 
 A job's attempts (`shardloader.telemetry.job`): once a `Checkpointer` has made this process's
-attempt (usually after the logger was made), the background thread tells the delivery side,
-which puts the run under the job's parent run and, at close, logs the job's accounting there
-(see `jobruns`).
+attempt (usually after the logger was made), the background thread puts the run under the
+job's parent run and, at close, logs the job's accounting there (see `jobruns`).
+
+Until issue 37 the delivery ran by default in a separate writer process; the package's
+docstring has the measurements that retired it.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -53,10 +56,9 @@ from typing import Any
 from shardloader.runtime.distenv import process_group_active, rank_and_world
 from shardloader.telemetry.background import BackgroundSink
 from shardloader.telemetry.mlflow import jobruns
-from shardloader.telemetry.mlflow.delivery import experiment_id_for, server_reachable
+from shardloader.telemetry.mlflow.delivery import Delivery, experiment_id_for, server_reachable
 from shardloader.telemetry.mlflow.owner import owner_tags
 from shardloader.telemetry.mlflow.probe import is_local_store
-from shardloader.telemetry.mlflow.transport import ProcessTransport, ThreadTransport
 from shardloader.telemetry.records import LOGGABLE_FIELDS, BatchRecord
 from shardloader.telemetry.sinks import JsonlLogger
 
@@ -82,24 +84,26 @@ class MLflowLogger(BackgroundSink):
     """Logs every batch record (thinned by `every_n_steps`) as MLflow metrics.
 
     Where it logs: `run_id` if given; else the active MLflow run (when `tracking_uri` is not
-    given or is the current one); else a new run in `experiment`, created by the delivery side
-    (tagged with this process as its owner) and ended (FINISHED) on `close()`. Exception: with
-    neither `run_id` nor `tracking_uri` and MLflow's tracking URI a local store (MLflow's
-    default), the run is started here as this thread's active run, so your own `mlflow.log_*`
-    calls land in it too. `run_id` is None until known; `wait_run_id(timeout)` waits for it.
+    given or is the current one); else a new run in `experiment`, created by the background
+    thread (tagged with this process as its owner) and ended (FINISHED) on `close()`.
+    Exception: with neither `run_id` nor `tracking_uri` and MLflow's tracking URI a local store
+    (MLflow's default), the run is started here as this thread's active run, so your own
+    `mlflow.log_*` calls land in it too. `run_id` is None until known; `wait_run_id(timeout)` waits for it.
 
     Ranks: with `all_ranks=False` only rank 0 logs (elsewhere this is a no-op). With
     `all_ranks=True` every rank logs into the same run with keys suffixed `/rank{r}`; when
     torch.distributed is initialised and no run is given, rank 0 draws a token and broadcasts
-    it (a collective: every rank constructs its logger at the same point); rank 0's delivery
-    side creates the run tagged with it, the others' find it by that tag.
+    it (a collective: every rank constructs its logger at the same point); rank 0's background
+    thread creates the run tagged with it, the others' find it by that tag.
 
     `fields` are the `BatchRecord` fields logged per batch (metric key = `prefix + field`).
     `jsonl_path` also writes every record to a JSON-lines file (see `JsonlLogger`).
     Time limits: `close_timeout` bounds `close()` (and `flush()` by default); `probe_timeout`
-    the liveness probe before each delivery attempt; `request_timeout` each MLflow request of
-    the writer process. Job: when this process's attempt of a job is known (a `Checkpointer`
-    made it), rank 0's run becomes a child of the job's parent run (`parent_run_id`), which
+    the liveness probe before each delivery attempt. `request_timeout` is ignored: it bounded
+    each request of the writer process through that process's own environment (set
+    `MLFLOW_HTTP_REQUEST_TIMEOUT` instead). `process` is ignored: it chose the writer process,
+    removed (issue 37); `process=True` warns (DeprecationWarning). Job: when this process's
+    attempt of a job is known (a `Checkpointer` made it), rank 0's run becomes a child of the job's parent run (`parent_run_id`), which
     gets the job's figures (`job/goodput`, `job/seconds/...`) at close. Counters: `dropped`
     (records refused, queue full), `metrics_logged`, `metrics_dropped` (buffer overflow or
     rejected by the server), `batch_calls` (log_batch calls), and in `counters()`
@@ -119,7 +123,7 @@ class MLflowLogger(BackgroundSink):
         *,
         fields: Sequence[str] = DEFAULT_FIELDS,
         prefix: str = "",
-        process: bool = True,
+        process: bool | None = None,
         flush_interval: float = 1.0,
         close_timeout: float = 10.0,
         probe_timeout: float = 2.0,
@@ -136,6 +140,10 @@ class MLflowLogger(BackgroundSink):
             raise ValueError(
                 f"fields {unknown} are not loggable BatchRecord fields ({', '.join(LOGGABLE_FIELDS)})"
             )
+        if process:
+            warnings.warn("MLflowLogger(process=True): the writer process was removed; metrics "
+                          "are delivered from a background thread (the argument is ignored)",
+                          DeprecationWarning, stacklevel=2)
         import mlflow
 
         self.every_n_steps = every_n_steps
@@ -149,10 +157,8 @@ class MLflowLogger(BackgroundSink):
         self.experiment = experiment
         self.probe_timeout = probe_timeout
         self.request_timeout = request_timeout
-        self.process = process
         self.run_id: str | None = run_id
         self._run_known = threading.Event()
-        self._owns_run = False  # the delivery side created the run and ends it
         self._create_run = True  # False: find the run rank 0 creates (all_ranks)
         self._run_token: str | None = None
         self._sweep = False  # look for runs left RUNNING by dead trainers
@@ -160,12 +166,10 @@ class MLflowLogger(BackgroundSink):
         self._creator_pid = os.getpid()
         self._started_fluent_run = False  # mlflow.start_run on this thread: close() ends it
         self._job: dict[str, Any] | None = None  # this process's attempt ({}: unreadable)
-        self._state: dict[str, Any] = {"metrics_logged": 0, "metrics_dropped": 0,
-                                       "metrics_pending": 0, "batch_calls": 0, "healthy": True}
+        self._delivery: Delivery | None = None  # made by the background thread
         self._metrics_refused = 0  # metrics of records the queue refused (full)
-        self._metrics_submitted = 0  # metrics handed to the delivery side
+        self._metrics_submitted = 0  # metrics handed to the delivery
         self._undelivered: int | None = None  # set by close()
-        self._transport: ThreadTransport | ProcessTransport | None = None
         self._flush_deadline = 0.0
         self._close_deadline = 0.0
         self._flush_ok = True
@@ -178,48 +182,49 @@ class MLflowLogger(BackgroundSink):
             _LIVE_LOGGERS.add(self)
             self._start()
 
-    # -- counters -----------------------------------------------------------------------------
+    # -- counters (written by the background thread, read here: plain ints) ------------------
     @property
     def metrics_logged(self) -> int:
-        return self._state["metrics_logged"]
+        return self._delivery.metrics_logged if self._delivery else 0
 
     @property
     def metrics_dropped(self) -> int:
-        return self._state["metrics_dropped"]
+        return self._delivery.metrics_dropped if self._delivery else 0
 
     @property
     def batch_calls(self) -> int:
-        return self._state["batch_calls"]
+        return self._delivery.batch_calls if self._delivery else 0
 
     @property
     def parent_run_id(self) -> str | None:
-        """The job's parent run, once the delivery side has put this run under it (as of its
-        last report: a flush, close, or the writer's own report)."""
-        return self._state.get("parent_run_id")
+        """The job's parent run, once the background thread has put this run under it."""
+        job = self._delivery.job if self._delivery else None
+        return job.parent_id if job else None
 
     def counters(self) -> dict[str, int]:
-        """Telemetry health: records dropped, metrics logged, dropped and still pending (as of
-        the last flush/close or delivery report), log_batch calls, after `close()` the
-        metrics not delivered, and under a job the failed calls for its parent run."""
+        """Telemetry health: records dropped, metrics logged, dropped and still pending,
+        log_batch calls, after `close()` the metrics not delivered, and under a job the failed
+        calls for its parent run."""
+        delivery = self._delivery
         out = {"records_dropped": self.dropped, "metrics_logged": self.metrics_logged,
                "metrics_dropped": self.metrics_dropped,
-               "metrics_pending": self._state["metrics_pending"], "batch_calls": self.batch_calls}
+               "metrics_pending": len(delivery.pending) if delivery else 0,
+               "batch_calls": self.batch_calls}
         if self._undelivered is not None:
             out["metrics_undelivered"] = self._undelivered
         if self._job:
-            out["job_errors"] = self._state.get("job_errors", 0)  # linking, accounting
+            out["job_errors"] = delivery.job.errors if delivery and delivery.job else 0
         return out
 
     def wait_run_id(self, timeout: float = 10.0) -> str | None:
-        """The run's id, waiting at most `timeout` seconds for the delivery side to create or
-        find it; None if it is not known by then (the server does not answer) or this rank
+        """The run's id, waiting at most `timeout` seconds for the background thread to create
+        or find it; None if it is not known by then (the server does not answer) or this rank
         does not log."""
         deadline = time.monotonic() + timeout
         while self.run_id is None and self.active and self._thread.is_alive():
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            self._wake.set()  # the background thread reads the writer's report when it wakes
             self._run_known.wait(min(0.05, left))
         return self.run_id
 
@@ -287,7 +292,7 @@ class MLflowLogger(BackgroundSink):
         ok = super().flush(timeout)
         if self._jsonl is not None:
             self._jsonl.flush(max(0.0, self._flush_deadline - time.monotonic()))
-        return ok and self._flush_ok and self._state["metrics_pending"] == 0
+        return ok and self._flush_ok and self.counters()["metrics_pending"] == 0
 
     def close(self, timeout: float | None = None) -> None:
         """Deliver what is queued, end a run the logger created (FINISHED) and stop, within
@@ -296,15 +301,17 @@ class MLflowLogger(BackgroundSink):
         if self._closed:
             return
         _LIVE_LOGGERS.discard(self)
+        if os.getpid() != self._creator_pid:
+            self._closed = True  # a forked child: the thread and the run are its parent's
+            return
         timeout = self.close_timeout if timeout is None else timeout
         self._close_deadline = time.monotonic() + timeout
         super().close(timeout)
-        stuck = self._thread.is_alive()
-        if self._transport is not None and stuck:
-            self._transport.kill()  # the thread is stuck talking to it: end it
+        stuck = self._thread.is_alive()  # a daemon: left behind, it ends with the process
         if self._jsonl is not None:
             self._jsonl.close(max(0.1, self._close_deadline - time.monotonic()))
-        if self._started_fluent_run and self._state.get("healthy") and not stuck:
+        healthy = self._delivery is None or self._delivery.healthy
+        if self._started_fluent_run and healthy and not stuck:
             import mlflow
 
             active = mlflow.active_run()
@@ -327,7 +334,7 @@ class MLflowLogger(BackgroundSink):
                    else "the tracking server did not take them")
             log.warning(
                 "MLflowLogger: %d of %d metric(s) were not delivered to %s (%s; %d refused "
-                "at a full queue, %d dropped or rejected by the delivery side)",
+                "at a full queue, %d dropped from the buffer or rejected by the server)",
                 self._undelivered, handed, self.tracking_uri, why, self._metrics_refused,
                 self.metrics_dropped,
             )
@@ -335,11 +342,24 @@ class MLflowLogger(BackgroundSink):
     # -- consumer side (background thread) ----------------------------------------------------
     def _on_start(self) -> None:
         self._look_for_attempt()
-        self._call("tick")  # starts the delivery side: it creates or finds the run right away
+        self._delivery = Delivery(
+            tracking_uri=self.tracking_uri, run_id=self.run_id, experiment=self.experiment,
+            keys=tuple(self.prefix + f + self.suffix for f in self.fields), suffix=self.suffix,
+            max_pending=self.max_queue * max(1, len(self.fields)),
+            probe_timeout=self.probe_timeout,
+            owns_run=False, create_run=self._create_run, run_token=self._run_token,
+            owner_tags=self._owner_tags, sweep=self._sweep, job=self._job or None)
+        self._delivery.start()  # creates or finds the run right away
+        self._run_is_known()
+
+    def _run_is_known(self) -> None:
+        if self.run_id is None and self._delivery is not None and self._delivery.run_id:
+            self.run_id = self._delivery.run_id
+            self._run_known.set()
 
     def _look_for_attempt(self) -> None:
-        """Tell the delivery side this process's attempt of a job once it exists (a module
-        global read: cheap). Rank 0 only: one logger per attempt links the run to its job."""
+        """Hand the delivery this process's attempt of a job once it exists (a module global
+        read: cheap). Rank 0 only: one logger per attempt links the run to its job."""
         if self._job is not None or self.rank != 0:
             return
         try:
@@ -352,10 +372,12 @@ class MLflowLogger(BackgroundSink):
             log.warning("MLflowLogger: could not read this process's job attempt (%r); the run "
                         "is not put under a job", exc)
             return
-        if self._transport is not None:
-            self._call("send", [("a", self._job)])
+        if self._delivery is not None:
+            self._delivery.set_job(self._job)
 
     def _handle(self, items: list[Any]) -> None:
+        if self._delivery is None:  # its construction failed (warned): nothing can be sent
+            raise RuntimeError("no MLflow client")
         fields = self.fields
         rows: list[tuple[Any, ...]] = []
         metrics = 0
@@ -368,67 +390,35 @@ class MLflowLogger(BackgroundSink):
                 rows.append(item)
                 metrics += _finite_count(item[1])
         self._metrics_submitted += metrics
-        self._call("send", rows)
+        self._delivery.add(rows)
+        self._delivery.deliver()
+        self._run_is_known()
 
     def _idle(self) -> None:
         self._look_for_attempt()
-        if self._transport is not None:
-            self._call("tick")
+        if self._delivery is not None:
+            self._delivery.deliver()
+            self._run_is_known()
 
     def _at_flush(self) -> None:
         self._look_for_attempt()  # flush() also waits for the run to be put under its job
-        if self._transport is None:  # nothing was ever sent: nothing to flush
-            self._flush_ok = True
+        if self._delivery is None:
+            self._flush_ok = False
         elif time.monotonic() < self._flush_deadline:
-            self._flush_ok = self._call("flush", self._flush_deadline)
+            self._delivery.deliver(force=True, deadline=self._flush_deadline)
+            self._run_is_known()
+            self._flush_ok = True
 
     def _on_stop(self) -> None:
         self._look_for_attempt()
-        self._call("close", self._close_deadline)
+        if self._delivery is not None:
+            self._delivery.close(self._close_deadline - _CLOSE_MARGIN)
+            self._run_is_known()
 
-    def _call(self, method: str, *args: Any) -> bool:
-        """Run a transport method, switching to in-thread delivery if the writer process died."""
-        if self._transport is None:
-            self._transport = self._make_transport()
-        try:
-            state = getattr(self._transport, method)(*args)
-        except OSError as exc:
-            if not isinstance(self._transport, ProcessTransport) or self._closed:
-                raise
-            log.warning("MLflowLogger: the writer process is gone (%r); delivering from this "
-                        "process from now on (metrics it held are lost)", exc)
-            self._transport = ThreadTransport(self._delivery_config())
-            state = getattr(self._transport, method)(*args)
-        if state is None:
-            return False
-        self._state.update(state)
-        if state.get("run_id") and self.run_id is None:
-            self.run_id = state["run_id"]
-            self._run_known.set()
-        if state.get("owns_run"):
-            self._owns_run = True
-        return True
 
-    def _delivery_config(self) -> dict[str, Any]:
-        return {
-            "tracking_uri": self.tracking_uri, "run_id": self.run_id,
-            "experiment": self.experiment,
-            "keys": tuple(self.prefix + f + self.suffix for f in self.fields),
-            "suffix": self.suffix, "max_pending": self.max_queue * max(1, len(self.fields)),
-            "probe_timeout": self.probe_timeout, "owns_run": self._owns_run,
-            "create_run": self._create_run, "run_token": self._run_token,
-            "owner_tags": self._owner_tags, "sweep": self._sweep, "job": self._job or None,
-        }
-
-    def _make_transport(self) -> ThreadTransport | ProcessTransport:
-        config = self._delivery_config()
-        if self.process:
-            try:
-                return ProcessTransport(config, self.flush_interval, self.request_timeout)
-            except OSError as exc:
-                log.warning("MLflowLogger: could not start the writer process (%r); "
-                            "delivering from this process", exc)
-        return ThreadTransport(config)
+# Seconds inside close()'s deadline at which the background thread stops starting MLflow
+# calls, so that it ends before close() gives up on it.
+_CLOSE_MARGIN = 0.5
 
 
 def _finite_count(metrics: Mapping[str, Any]) -> int:
@@ -444,8 +434,7 @@ def _finite_count(metrics: Mapping[str, Any]) -> int:
 
 # Loggers not closed yet: closed (bounded) at interpreter exit, while their daemon threads
 # still run, so a script that never calls close() still delivers and ends its run. A forked
-# child forgets them: they belong to its parent (their transports are let go of in
-# `transport`).
+# child (a loader worker) forgets them: they, their threads and their runs belong to its parent.
 _LIVE_LOGGERS: weakref.WeakSet[MLflowLogger] = weakref.WeakSet()
 
 
