@@ -177,7 +177,6 @@ def test_instance_metadata(url, reference, credential_gate, aws_env, tmp_path):
     assert_same_batches(got, reference, "instance metadata")
     keys = gate.keys_used()
     assert gate.refused() == [] and keys and all(key.startswith("ASIAIMDS") for key in keys)
-    assert len(keys) >= 2  # the training process's and the workers' own: one per process
     credentials = s3client.botocore_session(None).get_credentials()
     assert credentials.method == "iam-role" and hasattr(credentials, "refresh_needed")
 
