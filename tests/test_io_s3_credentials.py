@@ -30,7 +30,8 @@ from shardloader.io.transfer import read_bytes
 from tests.resume import assert_same_batches, record
 from tests.sample_transforms import make_samples, noisy_crop
 
-LIFETIME = 1.5  # seconds each temporary key is valid
+LIFETIME = 3.0  # seconds each temporary key is valid: a loaded machine's margin between a
+# key's fetch and the request it signs (botocore fetches one for each request at this lifetime)
 STEP = 0.3  # seconds of "training" per batch: the epoch's 15 batches take 4.5 s
 ROLE = "arn:aws:iam::123456789012:role/training"
 
