@@ -362,7 +362,7 @@ def test_a_range_budget_takes_the_fewest_requests_that_fit_it():
 
     # spans (offset, length) of 10 bytes, 50, 200 and 1000 bytes apart, out of order
     spans = np.asarray([[1280, 10], [0, 10], [60, 10], [270, 10]], dtype=np.int64)
-    options = gaps_by_cost(spans, max_gap=4096)
+    options = list(gaps_by_cost(spans, max_gap=4096))
     assert options == [(4096, 1290), (1000, 1290), (200, 290), (50, 90), (0, 40)]
     for gap, cost in options:  # each figure is what the requests of that joining transfer
         assert cost == sum(hi - lo for lo, hi, _ in coalesce(spans, gap))

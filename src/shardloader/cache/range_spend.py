@@ -22,6 +22,8 @@ import contextlib
 import fcntl
 import logging
 import os
+from collections.abc import Iterable
+from typing import TypeVar
 
 from shardloader.cache.layout import CacheLayout
 from shardloader.cache.locks import close_fd, open_fd
@@ -29,21 +31,17 @@ from shardloader.cache.locks import close_fd, open_fd
 log = logging.getLogger(__name__)
 
 _WIDTH = 8
+T = TypeVar("T")
 
 
-def spend(layout: CacheLayout, name: str, cost: int, limit: float) -> bool:
-    """Count `cost` more bytes read by range of shard `name` on this node and return True, or
-    count nothing and return False when the node's count would pass `limit` (then the reader
-    waits for the whole shard). False also when the count cannot be kept (a disk error): the
-    whole-shard path reports what is wrong with the cache."""
-    return spend_first(layout, name, [cost], limit) is not None
-
-
-def spend_first(layout: CacheLayout, name: str, costs: list[int], limit: float) -> int | None:
-    """The position of the first of `costs` that the node's count of shard `name` can take
-    within `limit`, counted; None (nothing counted) when none fits or the count cannot be kept.
-    Read and chosen under the count's lock, so that what other processes spent meanwhile is
-    seen."""
+def spend_first(layout: CacheLayout, name: str, options: Iterable[tuple[T, int]],
+                limit: float) -> T | None:
+    """The first of `options` (each: what to do, the bytes it reads by range of shard `name`)
+    whose bytes the node's count can take within `limit`, counted; None (nothing counted) when
+    none fits (then the reader waits for the whole shard) or the count cannot be kept (a disk
+    error: the whole-shard path reports what is wrong with the cache). Read and chosen under
+    the count's lock, so that what other processes spent meanwhile is seen; `options` are
+    taken in order, as far as the first that fits (a lazy iterable computes no more)."""
     try:
         fd = open_fd(layout.spent_of(name), os.O_RDWR | os.O_CREAT)
     except OSError:
@@ -53,10 +51,10 @@ def spend_first(layout: CacheLayout, name: str, costs: list[int], limit: float) 
         fcntl.flock(fd, fcntl.LOCK_EX)
         raw = os.pread(fd, _WIDTH, 0)
         spent = int.from_bytes(raw, "little") if len(raw) == _WIDTH else 0
-        for position, cost in enumerate(costs):
+        for option, cost in options:
             if spent + cost <= limit:
                 os.pwrite(fd, (spent + cost).to_bytes(_WIDTH, "little"), 0)
-                return position
+                return option
         return None
     except OSError:
         log.debug("cache %s: cannot count bytes read by range of %s", layout.root, name, exc_info=True)

@@ -219,10 +219,9 @@ class RangeReads:
         for the whole shard)."""
         if not len(ids):
             return self._gap(table)
-        options = gaps_by_cost(table.spans[ids], self._gap(table))
-        chosen = range_spend.spend_first(self._cache().layout, cache_name(info),
-                                         [cost for _, cost in options], self.budget * info.bytes)
-        return None if chosen is None else options[chosen][0]
+        return range_spend.spend_first(self._cache().layout, cache_name(info),
+                                       gaps_by_cost(table.spans[ids], self._gap(table)),
+                                       self.budget * info.bytes)
 
     def release_held(self) -> None:
         """The first batch is out: commit the sidecars fetched for it (see `prime`, `warm`)."""

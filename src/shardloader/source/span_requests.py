@@ -5,6 +5,8 @@ far more than a few kB of transfer.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 #: Spans of one shard at most this far apart are fetched in one request: 1 MiB, the distance
@@ -39,16 +41,19 @@ def request_cost(spans: np.ndarray, gap: int) -> int:
     return sum(hi - lo for lo, hi, _ in coalesce(spans, gap)) if len(spans) else 0
 
 
-def gaps_by_cost(spans: np.ndarray, max_gap: int) -> list[tuple[int, int]]:
+def gaps_by_cost(spans: np.ndarray, max_gap: int) -> Iterator[tuple[int, int]]:
     """(gap, bytes) for each way of joining `spans` worth trying, fewest requests first: `max_gap`,
-    then each smaller distance between neighbouring spans, down to 0 (the spans alone). A reader
-    with a byte budget takes the first that fits: the fewest requests within it. (Trying only
+    then each smaller distance between neighbouring spans, down to 0 (the spans alone); each
+    one's bytes computed only when it is reached. A reader with a byte budget takes the first
+    that fits: the fewest requests within it (most reads fit at `max_gap` and compute one
+    joining, as when the budget offered no choice). (Trying only
     `max_gap` and 0, a first batch whose joined requests passed a quarter of each shard went from
     29 requests to 53 on loopback moto, 0.23 -> 0.61 s for its spans.)"""
     if not len(spans):
-        return [(max_gap, 0)]
+        yield max_gap, 0
+        return
     ordered = spans[np.argsort(spans[:, 0], kind="stable")]
     ends = np.maximum.accumulate(ordered[:, 0] + ordered[:, 1])
     distances = np.maximum(ordered[1:, 0] - ends[:-1], 0)
-    gaps = sorted({max_gap, 0, *(int(d) for d in distances if d < max_gap)}, reverse=True)
-    return [(gap, request_cost(spans, gap)) for gap in gaps]
+    for gap in sorted({max_gap, 0, *(int(d) for d in distances if d < max_gap)}, reverse=True):
+        yield gap, request_cost(spans, gap)
