@@ -202,10 +202,10 @@ class S3Reader:
         path = self._strip_protocol(path)
         if start is not None and end is not None and end <= start:
             return b""
-        headers = None
+        byte_range = None
         if start is not None or end is not None:
-            headers = f"bytes={start or 0}-" + ("" if end is None else str(end - 1))
-        return self._get(path, headers, read_body)
+            byte_range = f"bytes={start or 0}-" + ("" if end is None else str(end - 1))
+        return self._get(path, byte_range, read_body)
 
     def cat_ranges(self, paths: Sequence[str], starts: Sequence[int], ends: Sequence[int],
                    on_error: str = "return", **_: Any) -> list[Any]:

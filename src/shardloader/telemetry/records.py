@@ -122,11 +122,6 @@ SUMMARY_KEYS: dict[str, str] = {
              else f"{f.name}_total" if FIELD_KINDS[f.name] is float else f.name)
     for f in _FIELDS if f.name in METRIC_FIELDS
 }
-
-
-def worker_figures() -> dict[str, float]:
-    """Zeros for every `WORKER_FIELDS` (what a worker measured before it measured anything)."""
-    return {name: FIELD_KINDS[name](0) for name in WORKER_FIELDS}
 #: Fields a metrics backend can store per step (the step and time are the metric's own).
 LOGGABLE_FIELDS: tuple[str, ...] = METRIC_FIELDS + ("epoch",)
 #: Fields renamed since first written, old name -> new. Files and MLflow runs written under the
@@ -134,6 +129,11 @@ LOGGABLE_FIELDS: tuple[str, ...] = METRIC_FIELDS + ("epoch",)
 #: written. download_wait_seconds: the time the reading thread waited for shard files, which
 #: the dataset protocol (`shard_wait_seconds()`) and every other place call shard wait.
 RENAMED_FIELDS: dict[str, str] = {"download_wait_seconds": "shard_wait_seconds"}
+
+
+def worker_figures() -> dict[str, float]:
+    """Zeros for every `WORKER_FIELDS` (what a worker measured before it measured anything)."""
+    return {name: FIELD_KINDS[name](0) for name in WORKER_FIELDS}
 
 
 def old_names(name: str) -> tuple[str, ...]:

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 from shardloader.io.jsondata import parse_json
-from shardloader.runtime.liveness import ProcessIdentity, alive_after, is_alive
+from shardloader.runtime.liveness import ProcessIdentity, alive_after
 from shardloader.telemetry.job import layout
 from shardloader.telemetry.job.counters import parse_counters
 from shardloader.telemetry.job.recorder import HEARTBEAT_SECONDS
@@ -118,7 +118,7 @@ def _writer_here(process: ProcessIdentity) -> bool:
     earlier Checkpointer is not another job."""
     if process.pid == os.getpid():
         return False
-    return is_alive(process) and alive_after(process, EXIT_GRACE_SECONDS)
+    return alive_after(process, EXIT_GRACE_SECONDS)  # False at once for one already gone
 
 
 def running_elsewhere(job_dir: str) -> Writer | None:
