@@ -99,9 +99,9 @@ class MLflowLogger(BackgroundSink):
     `fields` are the `BatchRecord` fields logged per batch (metric key = `prefix + field`).
     `jsonl_path` also writes every record to a JSON-lines file (see `JsonlLogger`).
     Time limits: `close_timeout` bounds `close()` (and `flush()` by default); `probe_timeout`
-    the liveness probe before each delivery attempt. `request_timeout` is ignored: it bounded
-    each request of the writer process through that process's own environment (set
-    `MLFLOW_HTTP_REQUEST_TIMEOUT` instead). `process` is ignored: it chose the writer process,
+    the liveness probe before each delivery attempt. `request_timeout` is ignored, with a
+    DeprecationWarning: it bounded each request of the writer process through that process's
+    own environment (set `MLFLOW_HTTP_REQUEST_TIMEOUT` instead). `process` is ignored: it chose the writer process,
     removed (issue 37); `process=True` warns (DeprecationWarning). Job: when this process's
     attempt of a job is known (a `Checkpointer` made it), rank 0's run becomes a child of the job's parent run (`parent_run_id`), which
     gets the job's figures (`job/goodput`, `job/seconds/...`) at close. Counters: `dropped`
@@ -127,7 +127,7 @@ class MLflowLogger(BackgroundSink):
         flush_interval: float = 1.0,
         close_timeout: float = 10.0,
         probe_timeout: float = 2.0,
-        request_timeout: float = 10.0,
+        request_timeout: float | None = None,
         rank: int | None = None,
         group: Any = None,
     ) -> None:
@@ -144,6 +144,11 @@ class MLflowLogger(BackgroundSink):
             warnings.warn("MLflowLogger(process=True): the writer process was removed; metrics "
                           "are delivered from a background thread (the argument is ignored)",
                           DeprecationWarning, stacklevel=2)
+        if request_timeout is not None:
+            warnings.warn("MLflowLogger(request_timeout=...): ignored since the writer process, "
+                          "whose own environment it bounded, was removed; set "
+                          "MLFLOW_HTTP_REQUEST_TIMEOUT for MLflow's requests",
+                          DeprecationWarning, stacklevel=2)
         import mlflow
 
         self.every_n_steps = every_n_steps
@@ -156,7 +161,6 @@ class MLflowLogger(BackgroundSink):
         self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
         self.experiment = experiment
         self.probe_timeout = probe_timeout
-        self.request_timeout = request_timeout
         self.run_id: str | None = run_id
         self._run_known = threading.Event()
         self._create_run = True  # False: find the run rank 0 creates (all_ranks)
