@@ -38,7 +38,9 @@ Transform = Callable[..., dict[str, Any]]
 class BatchTask:
     """One batch to produce: `samples` are global sample indices in output order, or None to
     let the producer compute them from (epoch, step) with its StepPlan (off the training
-    thread). `size` is the number of samples either way."""
+    thread). `size` is the number of samples either way. `start`: for an iterable dataset's
+    worker, set on its first task of a pass: what to do before iterating (see
+    `shardloader.loader.iterable_workers`)."""
 
     task_id: int
     epoch: int
@@ -46,6 +48,7 @@ class BatchTask:
     samples: np.ndarray | None
     padded: int = 0
     size: int = -1
+    start: dict[str, Any] | None = None
 
 
 @dataclass

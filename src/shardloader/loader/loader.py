@@ -42,6 +42,7 @@ from shardloader.loader.compat import (
 )
 from shardloader.loader.cursor import Cursor
 from shardloader.loader.epoch import EpochIterator, warm_first_batch
+from shardloader.loader.iterable_kind import loader_class
 from shardloader.loader.mapstyle import (
     MAP_STYLE_PARTITIONS,
     MAP_STYLE_WINDOW,
@@ -91,7 +92,9 @@ class Loader(Generic[T_co]):
     """Batches of `dataset` for this rank, in a deterministic, resumable order.
 
     `dataset` is a `shardloader.Dataset` or any map-style dataset (`__len__` + `__getitem__`,
-    e.g. a torch `Dataset`; see `shardloader.loader.mapstyle`). Arguments, defaults and
+    e.g. a torch `Dataset`; see `shardloader.loader.mapstyle`); an iterable dataset (`__iter__`,
+    no `__getitem__`) makes an `IterableLoader`, DataLoader's semantics (`loader.iterable`).
+    Arguments, defaults and
     refusals are DataLoader's (`batch_size=1`, `shuffle=False`, `drop_last=False`,
     `persistent_workers=False`, `prefetch_factor=None`: 2 with workers); DataLoader arguments
     that would break exact resume (`sampler`, `batch_sampler`, `generator`) are refused with
@@ -153,6 +156,10 @@ class Loader(Generic[T_co]):
     script that breaks out of its loop and never calls `close()` still exits within seconds;
     `__del__` never waits. Worker processes die with the training process, by any signal.
     """
+
+    def __new__(cls, dataset: Any = None, *args: Any, **kwargs: Any) -> Loader:
+        """`Loader(iterable_dataset)` is an `IterableLoader` (see `iterable_kind`, `iterable`)."""
+        return super().__new__(loader_class(cls, dataset) if cls is Loader else cls)
 
     @gc_paused  # no full collection on the path to the first batch (see shardloader.runtime.startup)
     def __init__(

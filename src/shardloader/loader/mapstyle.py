@@ -115,9 +115,9 @@ class MapStyleDataset(LoaderDataset, KeyedReads):
         if not isinstance(dataset, _Indexable):
             raise TypeError(
                 f"Loader needs a map-style dataset (with __len__ and __getitem__, like a torch "
-                f"Dataset) or a shardloader.Dataset; got {name}. For an iterable dataset or "
-                f"WebDataset tars, read the shards with shardloader.Dataset (`shardloader index "
-                f"DIR` once) or write them with `shardloader convert`."
+                f"Dataset), an iterable dataset (with __iter__) or a shardloader.Dataset; got "
+                f"{name}. For WebDataset tars, read the shards with shardloader.Dataset "
+                f"(`shardloader index DIR` once) or write them with `shardloader convert`."
             )
         try:
             length = len(dataset)

@@ -12,6 +12,17 @@ is refused like any other fingerprint difference: its position would name differ
 
 `position` counts only batches the caller received. Resuming is O(1): the order of any
 position is computable directly, so loading replays nothing.
+
+A Loader of an iterable dataset (`shardloader.loader.iterable`) saves the same fields (its
+`position` is the batches delivered in the epoch) and an `iterable` section, per worker as
+torchdata's StatefulDataLoader keeps it (`validate_iterable`)::
+
+    "iterable": {"num_workers": 2, "next_worker": 1,   # whose turn the next batch is
+                 "workers": [{"batches": 4, "ended": false, "state": {...}},   # worker 0
+                             {"batches": 3, "ended": false, "state": {...}}]}  # worker 1
+
+`state` is the worker's dataset's own `state_dict()` after its last delivered batch, or None
+for a dataset without state (it then resumes by fast-forward: `batches` are re-read).
 """
 
 from __future__ import annotations
@@ -78,3 +89,48 @@ def fingerprint_differences(saved: dict[str, Any], current: dict[str, Any]) -> l
         else:
             lines.append(f"{field}: saved {was!r}, now {now!r}")
     return lines
+
+
+def validate_iterable(state: dict[str, Any], num_workers: int) -> dict[str, Any]:
+    """Check the `iterable` section of a (validated) loader state for a Loader with
+    `num_workers`; return it. Raises StateError naming what is wrong."""
+    section = state.get("iterable")
+    if not isinstance(section, dict):
+        raise StateError("loader state has no 'iterable' section: it was saved by a Loader of a "
+                         "map-style dataset, and this Loader reads an iterable dataset")
+    per_worker = section.get("workers")
+    if not isinstance(per_worker, list) or not per_worker:
+        raise StateError("loader state field 'iterable.workers' must be a non-empty list")
+    saved = section.get("num_workers")
+    if saved != num_workers:
+        raise StateError(
+            f"loader state was saved with num_workers={saved!r}, and this Loader has "
+            f"num_workers={num_workers}: an iterable dataset splits its stream by "
+            f"get_worker_info(), so each worker's saved position resumes only that worker's "
+            f"split. Resume with num_workers={saved!r}"
+        )
+    workers = max(1, num_workers)
+    if len(per_worker) != workers:
+        raise StateError(f"loader state field 'iterable.workers' holds {len(per_worker)} "
+                         f"positions for num_workers={num_workers}; expected {workers}")
+    turn = section.get("next_worker")
+    if not isinstance(turn, int) or isinstance(turn, bool) or not 0 <= turn < workers:
+        raise StateError(f"loader state field 'iterable.next_worker' must be a worker id below "
+                         f"{workers}, got {turn!r}")
+    for i, worker in enumerate(per_worker):
+        where = f"loader state field 'iterable.workers[{i}]'"
+        if not isinstance(worker, dict):
+            raise StateError(f"{where} must be a dict, got {type(worker).__name__}")
+        batches = worker.get("batches")
+        if not isinstance(batches, int) or isinstance(batches, bool) or batches < 0:
+            raise StateError(f"{where}.batches must be a non-negative integer, got {batches!r}")
+        if not isinstance(worker.get("ended"), bool):
+            raise StateError(f"{where}.ended must be true or false, got {worker.get('ended')!r}")
+        if worker.get("state") is not None and not isinstance(worker["state"], dict):
+            raise StateError(f"{where}.state must be the dataset's state_dict() (a dict) or null, "
+                             f"got {type(worker['state']).__name__}")
+    delivered = sum(worker["batches"] for worker in per_worker)
+    if delivered != state["position"]:
+        raise StateError(f"loader state position {state['position']} is not the {delivered} "
+                         f"batches its workers delivered")
+    return section

@@ -26,7 +26,8 @@ class InlinePool:
         self.producer = producer
         self._tasks: dict[int, BatchTask] = {}
 
-    def submit(self, task: BatchTask) -> None:
+    def submit(self, task: BatchTask, worker: int | None = None) -> None:
+        """`worker`: there is one, this process (the argument is the pools' interface)."""
         self._tasks[task.task_id] = task
 
     def get(self, task_id: int) -> Result:
@@ -82,7 +83,8 @@ class ThreadPool:
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the batch
                 future.set_exception(e)
 
-    def submit(self, task: BatchTask) -> None:
+    def submit(self, task: BatchTask, worker: int | None = None) -> None:
+        """`worker` is ignored: any thread takes the task (threads share the dataset)."""
         future: concurrent.futures.Future[Result] = concurrent.futures.Future()
         self._futures[task.task_id] = future
         self._queue.put((future, task))

@@ -239,9 +239,11 @@ class ProcessPool:
                 if self._closed:  # closed meanwhile: close() may have missed this one
                     process.kill()
 
-    def submit(self, task: BatchTask) -> None:
-        worker_id = self._next_worker
-        self._next_worker = (self._next_worker + 1) % len(self._workers)
+    def submit(self, task: BatchTask, worker: int | None = None) -> None:
+        """Send `task` to `worker` (an iterable dataset's tasks name theirs), or to the next
+        worker in turn."""
+        worker_id = self._next_worker if worker is None else worker
+        self._next_worker = (worker_id + 1) % len(self._workers)
         with self._cond:
             self._assigned[task.task_id] = worker_id
         message = _task_frame(task)
