@@ -322,11 +322,10 @@ def check_iterable_arguments(*, shuffle: Any, sampler: Any, batch_sampler: Any, 
                              window: Any, telemetry: Any, worker_type: str, num_workers: int) -> None:
     """Refuse, with DataLoader's messages where DataLoader refuses them, the arguments an
     iterable dataset's Loader does not take."""
-    for name, value, unspecified in (("shuffle", shuffle, {False, None}), ("sampler", sampler, {None}),
-                                     ("batch_sampler", batch_sampler, {None})):
-        if value not in unspecified:
+    for name, value in (("shuffle", shuffle), ("sampler", sampler), ("batch_sampler", batch_sampler)):
+        if value is not None and not (name == "shuffle" and value is False):
             raise ValueError(f"DataLoader with IterableDataset: expected unspecified {name} option, "
-                             f"but got {name}={value!r}")
+                             f"but got {name}={value}")
     if transform is not None or transform_version is not None:
         raise ValueError("transform= is not supported for an iterable dataset: its samples have no "
                          "index to key augmentation by. Apply it in the dataset's __iter__ (or in "
