@@ -230,8 +230,10 @@ def test_not_map_style_is_a_clear_error():
         def __iter__(self):
             return iter(range(3))
 
-    with pytest.raises(TypeError, match="map-style.*Stream"):
-        Loader(Stream())
+    with Loader(Stream()) as loader:  # an iterable dataset has a Loader of its own (test_iterable.py)
+        assert type(loader).__name__ == "IterableLoader" and list(loader) == [0, 1, 2]
+    with pytest.raises(TypeError, match="map-style.*iterable dataset.*got builtins.object"):
+        Loader(object())
 
     class NoLength:
         def __getitem__(self, i):
