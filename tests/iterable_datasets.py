@@ -155,3 +155,17 @@ def hf_stream(kind: str, files: list[str]) -> Any:
     import datasets
 
     return datasets.load_dataset(kind, data_files=files, split="train", streaming=True)
+
+
+class FailsAt(IterableDataset):
+    """Split by worker; raises ValueError instead of yielding sample `bad`."""
+
+    def __init__(self, n: int, bad: int) -> None:
+        self.n, self.bad = n, bad
+
+    def __iter__(self):
+        worker, workers = _worker()
+        for i in range(worker, self.n, workers):
+            if i == self.bad:
+                raise ValueError(f"sample {i} is bad")
+            yield _sample(i)

@@ -84,6 +84,33 @@ def test_same_batches_as_dataloader(dataset, num_workers, batch_size, drop_last)
     assert_identical(loader_batches(ds, **kwargs), dataloader_batches(ds, **kwargs))
 
 
+def test_spawned_workers_give_the_same_batches():
+    kwargs = {"batch_size": 2, "num_workers": 2}
+    assert_identical(loader_batches(ids.Split(9), multiprocessing_context="spawn", **kwargs),
+                     dataloader_batches(ids.Split(9), **kwargs))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_failing_sample_raises_its_own_error_where_dataloaders_does(num_workers):
+    def outcomes(loader: Any, ours: bool) -> list[Any]:
+        out, iterator = [], iter(loader)
+        while True:
+            try:
+                out.append(next(iterator)["i"].tolist())
+            except StopIteration:
+                return out
+            except ValueError as e:
+                if ours:  # the cause on the first line (DataLoader's names its worker first)
+                    assert str(e).startswith("sample 5 is bad")
+                out.append("ValueError")
+
+    kwargs = {"batch_size": 2, "num_workers": num_workers}
+    expected = outcomes(DataLoader(ids.FailsAt(12, 5), **kwargs), ours=False)
+    with shardloader.Loader(ids.FailsAt(12, 5), **kwargs) as loader:
+        assert outcomes(loader, ours=True) == expected
+    assert "ValueError" in expected
+
+
 def test_worker_init_fn_splits_the_range_as_dataloaders_does():
     kwargs = {"batch_size": 2, "num_workers": 2, "worker_init_fn": ids.split_range}
     expected = dataloader_batches(ids.Range(3, 14), **kwargs)
