@@ -187,6 +187,28 @@ def test_exact_resume_of_a_dataset_with_state(num_workers):
         assert_same_batches(got, reference, f"cuts {cuts}")
 
 
+def test_a_torchdata_pipeline_around_it_resumes_exactly():
+    import torchdata.nodes as tn
+
+    loaders = []
+
+    def pipeline() -> tn.Loader:
+        loaders.append(shardloader.Loader(ids.Stateful(20), batch_size=3, num_workers=2))
+        return tn.Loader(shardloader.LoaderNode(loaders[-1]))
+
+    reference = [record(b, indices=()) for b in pipeline()]
+    first = iter(pipeline())
+    got = [record(next(first), indices=()) for _ in range(3)]
+    state = json.loads(json.dumps(first.state_dict()))
+    second = pipeline()
+    second.load_state_dict(state)
+    got += [record(b, indices=()) for b in second]
+    for loader in loaders:
+        loader.close()
+    assert len(reference) == 8
+    assert_same_batches(got, reference, "torchdata pipeline")
+
+
 def test_resume_by_fast_forward_warns_with_the_cost_and_is_exact():
     def make():
         return shardloader.Loader(ids.Split(23), batch_size=3, num_workers=2)

@@ -68,6 +68,11 @@ class IterableCursor:
         """Batches delivered in the current epoch (from all workers)."""
         return sum(p.batches for p in self.positions)
 
+    @property
+    def epoch_finished(self) -> bool:
+        """Every worker's split has ended (seen at their turns) while the epoch is current."""
+        return all(p.ended for p in self.positions)
+
     def invalidate(self) -> None:
         self.generation += 1
 
