@@ -93,8 +93,8 @@ class Loader(Generic[T_co]):
 
     `dataset` is a `shardloader.Dataset` or any map-style dataset (`__len__` + `__getitem__`,
     e.g. a torch `Dataset`; see `shardloader.loader.mapstyle`); an iterable dataset (`__iter__`,
-    no `__getitem__`) makes an `IterableLoader`, DataLoader's semantics (`loader.iterable`).
-    Arguments, defaults and
+    no `__getitem__`) makes an `IterableLoader` (`loader.iterable`): DataLoader's semantics,
+    resumed through the dataset's `state_dict()`, else by fast-forward. Arguments, defaults and
     refusals are DataLoader's (`batch_size=1`, `shuffle=False`, `drop_last=False`,
     `persistent_workers=False`, `prefetch_factor=None`: 2 with workers); DataLoader arguments
     that would break exact resume (`sampler`, `batch_sampler`, `generator`) are refused with
