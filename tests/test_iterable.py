@@ -251,6 +251,29 @@ def test_a_state_is_refused_by_another_worker_count():
             other.load_state_dict(state)
 
 
+@pytest.mark.parametrize(("where", "value", "message"), [
+    ("workers", [], "'iterable.workers' must be a non-empty list"),
+    ("next_worker", 2, "'iterable.next_worker' must be a worker id below 2, got 2"),
+    ("batches", -1, r"'iterable.workers\[1\]'.batches must be a non-negative integer"),
+    ("ended", "no", r"'iterable.workers\[1\]'.ended must be true or false"),
+    ("state", [1], r"'iterable.workers\[1\]'.state must be the dataset's state_dict\(\)"),
+])
+def test_a_damaged_state_is_refused_naming_the_field(where, value, message):
+    with shardloader.Loader(ids.Stateful(20), batch_size=3, num_workers=2) as loader:
+        take(loader, 3)
+        state = json.loads(json.dumps(loader.state_dict()))
+        section = state["iterable"]
+        if where in ("workers", "next_worker"):
+            section[where] = value
+        else:
+            section["workers"][1][where] = value
+        with pytest.raises(StateError, match=message):
+            loader.load_state_dict(state)
+        del state["iterable"]
+        with pytest.raises(StateError, match="no 'iterable' section: it was saved by a Loader of a map-style"):
+            loader.load_state_dict(state)
+
+
 @pytest.mark.parametrize(("num_workers", "kill_after"), [(2, 5), (0, 4)])
 def test_sigkill_mid_epoch_then_resume_gives_the_uninterrupted_batches(tmp_path, num_workers, kill_after):
     run_to_end(tmp_path / "reference", "stateful", num_workers, epochs=2)
