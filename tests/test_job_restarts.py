@@ -41,6 +41,7 @@ STEPS = EPOCHS * SAMPLES // (BATCH * WORLD)  # 80
 SAVE_EVERY = 4
 DEADLINE = 240.0  # for one line of output: a loaded machine starts torch slowly
 SEED = 39
+pytestmark = pytest.mark.slow  # six torchrun starts and a reference run: minutes on a busy machine
 #: torch 2.13's agent keeps one TCPStore for the ranks of every restart, so a restarted group
 #: reads the old group's addresses and fails to connect (pytorch/pytorch#135712): the ranks
 #: host their own store, as docs/checkpoint.md's torchrun recipe says.
