@@ -41,7 +41,6 @@ STEPS = EPOCHS * SAMPLES // (BATCH * WORLD)  # 80
 SAVE_EVERY = 4
 DEADLINE = 240.0  # for one line of output: a loaded machine starts torch slowly
 SEED = 39
-pytestmark = pytest.mark.slow  # six torchrun starts and a reference run: minutes on a busy machine
 #: torch 2.13's agent keeps one TCPStore for the ranks of every restart, so a restarted group
 #: reads the old group's addresses and fails to connect (pytorch/pytorch#135712): the ranks
 #: host their own store, as docs/checkpoint.md's torchrun recipe says.
@@ -139,6 +138,7 @@ def reference(data, tmp_path_factory) -> bytes:
         return f.read()
 
 
+@pytest.mark.slow  # five torchrun starts and the reference run: minutes on a busy machine
 def test_torchrun_restarts_ranks_killed_at_random_moments_and_ends_with_the_same_weights(
         tmp_path, data, reference):
     rng = random.Random(SEED)
@@ -190,6 +190,7 @@ def test_torchrun_restarts_ranks_killed_at_random_moments_and_ends_with_the_same
           f"{', '.join(f'{t:.1f} s' for t in timings)}; endings {endings}")
 
 
+@pytest.mark.slow
 def test_a_hung_rank_ends_its_attempt_and_torchrun_restarts_the_group(tmp_path, data, reference):
     root, weights, pid_dir = str(tmp_path / "ckpt"), str(tmp_path / "weights"), str(tmp_path)
     hang_at, bound = 2 * SAVE_EVERY + 3, 2.0
@@ -223,3 +224,17 @@ def test_a_hung_rank_ends_its_attempt_and_torchrun_restarts_the_group(tmp_path, 
     assert bound <= stalled < bound + 1.0
     print(f"hung rank seen after {stalled:.2f} s (bound {bound} s); hang -> every rank started "
           f"again: {restarted:.1f} s; rank 0 ended {ends[0]['how']!r}")
+
+
+def test_restarts_through_the_agents_shared_store_are_named_as_a_hazard(monkeypatch):
+    """What rank 0's Checkpointer warns of: torchrun's restart variables as torch sets them."""
+    from shardloader.runtime.distenv import restart_hazard
+
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restart_hazard()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # the ranks host their store
+    assert restart_hazard() is None
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # no restart to fail
+    assert restart_hazard() is None
