@@ -256,7 +256,9 @@ def main() -> None:
         ["--data", shards, "--steps", str(3 * args.checkpoint_every), "--batch-size",
          str(args.batch_size // 2), "--workers", "1", "--crop", "64"],
         os.path.join(out, "checkpoints-restarted"), args.checkpoint_every)
-    restarted = restart["exit_code"] == 0 and [a["ended"] for a in restart["attempts"]][-1:] == ["finished"]
+    endings = [a["ended"] for a in restart["attempts"]]
+    restarted = (restart["exit_code"] == 0 and restart["resumed_from"] is not None
+                 and len(endings) == 2 and endings[1] == "finished")
 
     reference = torch.load(os.path.join(out, "final-reference.pt"), weights_only=True)
     resumed = torch.load(os.path.join(out, "final-resumed.pt"), weights_only=True)
@@ -286,11 +288,11 @@ def main() -> None:
           f"trained twice {job['samples']['trained_twice']}, never {job['samples']['never_trained']} "
           f"(timeline: {job_png})")
     print(f"exact resume          {verdict} final weights and optimizer state ({tensors} tensors, torch.equal)")
-    endings = ", ".join(a["ended"] for a in restart["attempts"])
     print(f"automatic restart     {'OK' if restarted else 'FAILED'}: rank 1 SIGKILLed at step "
           f"{restart['killed_at']}, torchrun restarted the group with no manual step, resumed "
           f"from step {restart['resumed_from']} "
-          f"({restart['restart_seconds'] or float('nan'):.1f} s kill to next step); endings: {endings}")
+          f"({restart['restart_seconds'] or float('nan'):.1f} s kill to next step); attempts ended: "
+          f"{', '.join(endings)}")
     print(f"MLflow store          {args.mlflow}  (mlflow ui --backend-store-uri {args.mlflow})")
     if os.path.exists(report_png):
         print(f"stall plot            {report_png}")
