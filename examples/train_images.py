@@ -97,6 +97,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--summary", default=None, help="write a JSON summary of the run here")
     p.add_argument("--announce", action="store_true", help="print STEP <n> after each step, SAVE <n> after each save")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--watchdog", type=float, default=None,
+                   help="end a rank that makes no step progress for this many seconds (exit 124)")
     return p.parse_args(argv)
 
 
@@ -144,7 +146,8 @@ def main(argv: list[str] | None = None) -> dict:
         model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
 
-    ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep) if args.checkpoint_dir else None
+    ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep, watchdog_seconds=args.watchdog) \
+        if args.checkpoint_dir else None
     step = 0
     if args.resume and ckpt is not None and ckpt.latest() is not None:
         step = ckpt.load(model=model, optimizer=optimizer, loader=loader)

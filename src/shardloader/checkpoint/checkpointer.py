@@ -40,8 +40,9 @@ from shardloader.checkpoint.staging import StagingPool
 from shardloader.checkpoint.storage import LocalStore, Store, open_store
 from shardloader.errors import CheckpointError
 from shardloader.io.retry import RetryPolicy
-from shardloader.runtime.distenv import end_with_launcher
+from shardloader.runtime.distenv import end_with_launcher, restart_hazard
 from shardloader.telemetry.job.recorder import close_attempt
+from shardloader.telemetry.job.watchdog import Watchdog, checked_seconds, pauses
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,11 @@ class Checkpointer:
         root its last path component). A root belongs to one job: another name is refused
         before anything is written. Every Checkpointer records its attempt of the job under
         `<root>/.job/` (`shardloader report --job ROOT`; docs/telemetry.md).
+    watchdog_seconds: end this process (exit status 124) when its training loader delivers no
+        batch for this long, outside saves, restores and phases marked with
+        `ckpt.watchdog.paused(...)`, naming the rank and where it waits; the attempt ends
+        "hung" and torchrun --max-restarts starts it again (`telemetry.job.watchdog`).
+        None: no watch.
     """
 
     def __init__(
@@ -91,6 +97,7 @@ class Checkpointer:
         distributed: bool | None = None,
         timeout: timedelta = timedelta(minutes=30),
         job: str | None = None,
+        watchdog_seconds: float | None = None,
         _phase_hook: PhaseHook | None = None,
     ) -> None:
         if on_busy not in ON_BUSY:
@@ -101,6 +108,7 @@ class Checkpointer:
             raise TypeError("telemetry must have a log_metrics(dict, step) method")
         if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be a positive timedelta, got {timeout!r}")
+        checked_seconds(watchdog_seconds)
         self.keep = keep
         self.on_busy = on_busy
         self.telemetry = telemetry
@@ -113,6 +121,8 @@ class Checkpointer:
         self._group = make_group(distributed, timeout, f"Checkpointer({self.root!r})")
         self.rank, self.world_size = self._group.rank, self._group.world_size
         end_with_launcher()  # a rank orphaned by a killed torchrun agent never commits
+        if self.rank == 0 and (hazard := restart_hazard()) is not None:
+            log.warning("%s", hazard)
         refuse_if_in_use(self._store, self._group)  # before anything under the root is touched
         self._nonce = self._group.broadcast(secrets.token_hex(4))
         self._counter = 0
@@ -150,6 +160,7 @@ class Checkpointer:
         self._startup_cleanup()
         self._at_exit = _ExitWait(weakref.ref(self))
         atexit.register(self._at_exit)
+        self.watchdog = Watchdog(self._attempt, watchdog_seconds)  # after: it stops at exit first
 
     # ------------------------------------------------------------------------------ setup
     def _layout_named(self, name: str) -> CheckpointLayout:
@@ -189,6 +200,7 @@ class Checkpointer:
         self._group.barrier()
 
     # ------------------------------------------------------------------------------ save
+    @pauses("save")
     def save(self, step: int, *, model: Any = None, optimizer: Any = None, loader: Any = None,
              **extra: Any) -> CheckpointHandle:
         """Capture every state at this step boundary, stage its tensors, return a handle.
@@ -285,6 +297,7 @@ class Checkpointer:
             handle.mark_reported()
             raise error
 
+    @pauses("save")
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete (at most `timeout`); raise if it
         failed."""
@@ -294,6 +307,7 @@ class Checkpointer:
         finally:
             self._attempt.blocked("checkpoint", time.perf_counter() - t0)
 
+    @pauses("close")
     def close(self) -> None:
         """Wait (at most `timeout`) for the save in flight, free the pools, end this attempt's
         records. Raises a pending error. Not collective: the other ranks learn that this one
@@ -309,6 +323,7 @@ class Checkpointer:
             close_attempt(self._attempt, None if error is None else "failed",
                           None if error is None else f"{type(error).__name__}: {error}")
             self._closed = True
+            self.watchdog.stop()
             atexit.unregister(self._at_exit)
             if self._inflight is None or self._inflight.done():  # else the writer still uses them
                 self._pool.release()
@@ -336,6 +351,7 @@ class Checkpointer:
         Content is not verified here (see `latest`)."""
         return [e.step for e in catalog.list_complete(self._store)]
 
+    @pauses("restore")
     def latest(self, *, verify: bool = True) -> int | None:
         """The step of the newest complete checkpoint that `load()` would use, or None.
 
@@ -363,6 +379,7 @@ class Checkpointer:
         return out
 
     # ---------------------------------------------------------------------------- load
+    @pauses("restore")
     def load(self, step: int | None = None, *, model: Any = None, optimizer: Any = None,
              loader: Any = None, **extra: Any) -> int:
         """Restore every state from checkpoint `step` (default: the newest usable one, the one

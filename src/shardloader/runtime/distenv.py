@@ -59,3 +59,29 @@ def end_with_launcher() -> bool:
     die_with(identity_of(os.getppid()), use_signal=False)
     _watching_launcher = os.getpid()
     return True
+
+
+#: Set by torchrun in every rank: whether the ranks use the agent's TCPStore, and how many
+#: times the agent may restart them.
+AGENT_STORE_VARIABLE = "TORCHELASTIC_USE_AGENT_STORE"
+MAX_RESTARTS_VARIABLE = "TORCHELASTIC_MAX_RESTARTS"
+
+
+def restart_hazard() -> str | None:
+    """Why torchrun's restarts of this job would not form the process group again, or None.
+
+    torch's agent hands its ranks its own TCPStore (`TORCHELASTIC_USE_AGENT_STORE`) and, in the
+    versions tried (2.13), keeps that one store for every restart: a restarted group reads the
+    old group's addresses and fails to connect ("Connection refused", pytorch/pytorch#135712),
+    so each restart fails at once until none is left. With `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`
+    in torchrun's environment the ranks host a new store each start and restarts work."""
+    try:
+        restarts = int(os.environ.get(MAX_RESTARTS_VARIABLE, "0"))
+    except ValueError:
+        return None
+    if restarts <= 0 or os.environ.get(AGENT_STORE_VARIABLE) != "True":
+        return None
+    return (f"torchrun --max-restarts={restarts} with the agent's shared TCPStore "
+            f"({AGENT_STORE_VARIABLE}=True): a restarted process group may read the previous "
+            "group's addresses and fail to connect (pytorch/pytorch#135712); set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment")

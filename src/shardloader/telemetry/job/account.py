@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardloader.telemetry.job.endings import ENDINGS, attempt_ending
 from shardloader.telemetry.job.prices import SECOND_KINDS, cost
 
 #: An attempt's kinds of seconds (the job's less the gaps between attempts).
@@ -75,8 +76,8 @@ def _field(where: str, kind: str, value: Any) -> Any:
     kind = kind.rstrip("?")
     if kind in ("seconds", "count", "cursor"):
         return _number(where, value) if kind == "seconds" else _integer(where, value, 0)
-    if kind == "how" and value not in ("finished", "failed"):
-        raise ValueError(f"{where}: expected 'finished' or 'failed', got {value!r}")
+    if kind == "how" and value not in ENDINGS:
+        raise ValueError(f"{where}: expected one of {ENDINGS}, got {value!r}")
     if not isinstance(value, str):
         raise ValueError(f"{where}: expected a string, got {type(value).__name__} {value!r}")
     return value
@@ -205,11 +206,7 @@ def parse_attempt(raw: Any, index: int, running: str | None) -> Attempt:
         a.end, a.ended = max(r.c["heartbeat_time"] for r in parsed), "finished"
         return a
     a.end = max(r.c["heartbeat_time"] if r.end_time is None else r.end_time for r in parsed)
-    failed = [r for r in parsed if r.how == "failed"]
-    if failed:
-        a.ended, a.error = "failed", failed[0].error
-    elif all(r.how == "finished" for r in parsed):
-        a.ended = "finished"
+    a.ended, a.error = attempt_ending((r.how, r.error) for r in parsed)
     return a
 
 

@@ -102,8 +102,8 @@ def _attempt_rows(attempts: list[Mapping[str, Any]]) -> list[str]:
                     f"{_fmt_seconds(a['wall_seconds']):>10} "
                     f"{_fmt_seconds(a['seconds']['data_wait']):>10} "
                     f"{_fmt_seconds(a['seconds']['startup']):>10}")
-    rows += [f"  {a['id']} failed: {a['error']}" for a in attempts
-             if a["ended"] == "failed" and a.get("error")]
+    rows += [f"  {a['id']} {a['ended']}: " + a["error"].replace("\n", "\n    ") for a in attempts
+             if a["ended"] in ("failed", "hung") and a.get("error")]
     return rows
 
 
@@ -240,7 +240,7 @@ def plot_job(report: Mapping[str, Any], path: str | os.PathLike[str], *, dpi: in
                         hatch="//" if kind == "lost_progress" else None, edgecolor="white",
                         linewidth=0.5)
             x += width
-        if a["ended"] in ("killed", "failed"):
+        if a["ended"] in ("killed", "failed", "hung"):
             end = a["end"] - origin
             ax.plot(end, row, marker="x", color="black", markersize=10, markeredgewidth=2)
             ax.annotate(a["ended"], (end, row), xytext=(6, 6), textcoords="offset points",
