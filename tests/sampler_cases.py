@@ -106,20 +106,27 @@ class ResumableBatches(Sampler[list[int]]):
 
     def __init__(self) -> None:
         self.inner = Resumable()
+        self.sizes = [3, 1] * (N // 4)
+        self.batches = 0  # batches of the current iteration handed out
 
     def __len__(self) -> int:
-        return N // 4 * 2
+        return len(self.sizes)
 
     def __iter__(self) -> Iterator[list[int]]:
+        if self.batches == len(self.sizes):
+            self.batches = 0
         indices = iter(self.inner)
-        for size in [3, 1] * (N // 4):
+        while self.batches < len(self.sizes):
+            size = self.sizes[self.batches]
+            self.batches += 1
             yield [next(indices) for _ in range(size)]
 
     def state_dict(self) -> dict[str, Any]:
-        return self.inner.state_dict()
+        return {"inner": self.inner.state_dict(), "batches": self.batches}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.inner.load_state_dict(state)
+        self.inner.load_state_dict(state["inner"])
+        self.batches = int(state["batches"])
 
 
 #: Whether a case's batches are the same under world size 2 (both ranks) and 1: the Loader

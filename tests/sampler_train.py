@@ -2,12 +2,14 @@
 with real worker processes, records every step, and saves the loaders' states after each.
 
     python -m tests.sampler_train CASE --workers W --world R --epochs E --out DIR [--resume]
+                                        [--pause-at N]
 
 Each step appends one line to DIR/records.jsonl — the step's samples in global order (under
 world size 2 the two ranks' batches interleaved: rank r holds a global batch's items r, r + 2,
 ...), each as [index, sha256 of the sample's bytes] — and then replaces DIR/state.json (through
 a rename, so a SIGKILL leaves the old one or the new one) with the number of steps recorded and
-every rank's `state_dict()`; then prints "step N". `--resume` loads DIR/resume.json first
+every rank's `state_dict()`; then prints "step N" (and, at `--pause-at N`, waits on stdin: the
+test kills it there, its workers busy on the batches ahead). `--resume` loads DIR/resume.json first
 (rank r's state, or rank 0's for every rank when the world size changed).
 """
 
@@ -39,7 +41,7 @@ def sample_rows(batch: Any, indices: Any) -> list[list[Any]]:
 
 
 def run(case: str, *, workers: int, world: int, epochs: int, out: str, resume: bool,
-        stop_after: int | None = None) -> list[list[list[Any]]]:
+        pause_at: int | None = None) -> list[list[list[Any]]]:
     """The epoch loop; returns the steps it recorded (also written to `out`, see module doc)."""
     loaders = [make_loader(case, num_workers=workers, rank=r, world_size=world) for r in range(world)]
     if resume:
@@ -69,8 +71,8 @@ def run(case: str, *, workers: int, world: int, epochs: int, out: str, resume: b
                     json.dump(state, f)
                 os.replace(os.path.join(out, "state.tmp"), os.path.join(out, "state.json"))
                 print(f"step {count}", flush=True)
-                if stop_after is not None and len(steps) == stop_after:
-                    return steps
+                if count == pause_at:  # the parent kills it here, its workers busy ahead
+                    sys.stdin.readline()
     finally:
         records.close()
         for loader in loaders:
@@ -86,9 +88,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--pause-at", type=int, default=None)
     args = parser.parse_args(argv)
     run(args.case, workers=args.workers, world=args.world, epochs=args.epochs, out=args.out,
-        resume=args.resume)
+        resume=args.resume, pause_at=args.pause_at)
 
 
 if __name__ == "__main__":

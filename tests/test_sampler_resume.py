@@ -45,18 +45,18 @@ CASES = {
 
 
 def _kill_after(case: str, workers: int, world: int, step: int, out: Path) -> dict:
-    """Run the child until it has printed `step N` for N >= step, SIGKILL it, and return the
-    state it saved last."""
+    """Run the child until it has saved the state of `step` (it then waits), SIGKILL it with
+    its workers busy ahead, and return the state it saved last."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
     child = subprocess.Popen(
         [sys.executable, "-m", "tests.sampler_train", case, "--workers", str(workers),
-         "--world", str(world), "--epochs", str(EPOCHS), "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+         "--world", str(world), "--epochs", str(EPOCHS), "--out", str(out), "--pause-at", str(step)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     deadline = time.monotonic() + 300
     try:
         assert child.stdout is not None
         for line in child.stdout:
-            if line.startswith("step ") and int(line.split()[1]) >= step:
+            if line.startswith("step ") and int(line.split()[1]) == step:
                 break
             assert time.monotonic() < deadline, "the child is too slow"
         else:
@@ -79,7 +79,7 @@ def test_sigkill_and_resume_gives_the_uninterrupted_batches(case, tmp_path):
     killed.mkdir()
     saved = _kill_after(case, workers, world, kill_at, killed)
     count = saved["count"]
-    assert kill_at <= count < len(reference), f"killed at step {count} of {len(reference)}"
+    assert count == kill_at < len(reference), f"killed at step {count} of {len(reference)}"
     lines = (killed / "records.jsonl").read_text().splitlines()[:count]
     before = [json.loads(line)["samples"] for line in lines]
     shutil.copy(killed / "state.json", killed / "resume.json")
