@@ -298,9 +298,9 @@ class Loader(Generic[T_co]):
     @property
     def samples_per_epoch(self) -> int:
         """Samples this rank's batches hold per epoch (padding included)."""
-        if self._order[0] != "own":
-            raise TypeError("samples_per_epoch is the Loader's own order's; with a sampler= or "
-                            "batch_sampler= it is the sampler's to say")
+        if self._order[0] not in ("own", "pure"):
+            raise TypeError("samples_per_epoch counts the Loader's or a PureSampler's order; a "
+                            "batch_sampler= or a sampler drawn as it goes says it itself")
         return sum(self._plan.counts(step)[0] for step in range(self._global_steps))
 
     @property
