@@ -16,15 +16,20 @@ if TYPE_CHECKING:
     from shardloader.ingest.writer import write_shards
     from shardloader.loader import Loader
     from shardloader.loader.node import LoaderNode
+    from shardloader.order.grouped import GroupedBatchSampler
+    from shardloader.order.weighted import WeightedSampler
 
 _EXPORTS = {
     "Dataset": "shardloader.dataset.sharded",
+    "GroupedBatchSampler": "shardloader.order.grouped",
+    "WeightedSampler": "shardloader.order.weighted",
     "Loader": "shardloader.loader",
     "LoaderNode": "shardloader.loader.node",
     "write_shards": "shardloader.ingest.writer",
 }
 
-__all__ = ["Dataset", "Loader", "LoaderNode", "__version__", "write_shards"]
+__all__ = ["Dataset", "GroupedBatchSampler", "Loader", "LoaderNode", "WeightedSampler", "__version__",
+           "write_shards"]
 
 
 def __getattr__(name: str) -> Any:

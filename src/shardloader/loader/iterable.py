@@ -41,6 +41,7 @@ from shardloader.loader.compat import (
     check_worker_arguments,
     check_worker_init,
     resolve_context,
+    resolve_seed,
     warn_worker_count,
 )
 from shardloader.loader.iterable_kind import register_iterable_loader
@@ -99,7 +100,7 @@ class IterableLoader(Loader):
         batch_size: int | None = 1,
         *,
         shuffle: bool | None = False,
-        seed: int = 0,
+        seed: int | None = None,
         num_workers: int = 0,
         transform: Any = None,
         collate_fn: Callable[[Any], Any] | None = None,
@@ -132,8 +133,7 @@ class IterableLoader(Loader):
                                  tail=tail, drop_last=drop_last, partitions=partitions,
                                  window=window, telemetry=telemetry, worker_type=worker_type,
                                  num_workers=num_workers)
-        check_dataloader_arguments(batch_size=1 if batch_size is None else batch_size, sampler=None,
-                                   batch_sampler=None, generator=generator, in_order=in_order,
+        check_dataloader_arguments(batch_size=batch_size, in_order=in_order,
                                    pin_memory_device=pin_memory_device)  # batch_size=None: unbatched
         prefetch_factor = check_worker_arguments(num_workers=num_workers, timeout=timeout,
                                                  prefetch_factor=prefetch_factor,
@@ -154,7 +154,7 @@ class IterableLoader(Loader):
         self.rank, self.world_size = rank_and_world(rank, world_size)
         end_with_launcher()  # a rank orphaned by a killed torchrun agent stops (with its workers)
         self.global_batch_size = batch_size  # the dataset splits itself across ranks, if at all
-        self.seed = check_seed(seed)
+        self.seed = check_seed(resolve_seed(seed, generator))
         self.shuffle = False
         self.num_workers = num_workers
         self.worker_type = worker_type
@@ -167,7 +167,7 @@ class IterableLoader(Loader):
             default_convert if batch_size is None else collate)
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = context
-        self.generator = None
+        self.generator = generator  # its initial_seed() is the seed when seed= is not given
         self.timeout = 0 if timeout is None else timeout
         self.sampler = self.batch_sampler = None  # the dataset's iteration is the order
         self._name = f"{type(dataset).__module__}.{type(dataset).__qualname__}"
