@@ -15,16 +15,19 @@ if TYPE_CHECKING:
     from shardloader.dataset.sharded import Dataset
     from shardloader.ingest.writer import write_shards
     from shardloader.loader import Loader
+    from shardloader.loader.mixture import Mixture, MixtureSource
     from shardloader.loader.node import LoaderNode
 
 _EXPORTS = {
     "Dataset": "shardloader.dataset.sharded",
     "Loader": "shardloader.loader",
     "LoaderNode": "shardloader.loader.node",
+    "Mixture": "shardloader.loader.mixture",
+    "MixtureSource": "shardloader.loader.mixture",
     "write_shards": "shardloader.ingest.writer",
 }
 
-__all__ = ["Dataset", "Loader", "LoaderNode", "__version__", "write_shards"]
+__all__ = ["Dataset", "Loader", "LoaderNode", "Mixture", "MixtureSource", "__version__", "write_shards"]
 
 
 def __getattr__(name: str) -> Any:
