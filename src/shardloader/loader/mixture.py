@@ -150,7 +150,7 @@ class Mixture(LoaderDataset, KeyedReads):
             self.readers.append(reader)
         self.sizes = [len(r) for r in self.readers]
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
-        identity = "; ".join(f"{n}: {r.index.fingerprint} len={len(r)}"
+        identity = "; ".join(f"{n}: {r.index.fingerprint} ({len(r)} samples)"
                              for n, r in zip(self.names, self.readers, strict=True))
         self.index = _MixtureIndex(int(self.offsets[-1]), f"Mixture[{identity}]")
         self.source = CombinedShardSource([r.source for r in self.readers])
