@@ -6,8 +6,8 @@ compares what the loader under test does with what DataLoader does in the same s
 DataLoader's result is the expected value, so the "dataloader" run checks the test itself and
 the "loader" run checks the Loader. Batches are compared whole and bit for bit
 (`tests.resume.assert_identical`: container types, dtypes, shapes, bytes). A few tests are
-for one kind only: the Loader's documented deliberate differences (each asserts a clear
-refusal) and behaviour DataLoader does not have (an error for a dataset whose length changes
+for one kind only: the Loader's documented deliberate differences (generator= gives the seed)
+and behaviour DataLoader does not have (an error for a dataset whose length changes
 during an epoch, a sampler that follows the loader's own order).
 
 The datasets and callables live in tests/conformance_datasets.py so that spawn and
@@ -43,6 +43,7 @@ from torch.utils.data import (
     default_collate,
 )
 
+from shardloader import Loader
 from tests import conformance_datasets as cds
 from tests.dataloader_alias import KINDS, loader_class, make
 from tests.resume import assert_identical
@@ -388,6 +389,12 @@ REFUSALS = {
     "batch_size=-1": ("batch_size", dict(batch_size=-1)),
     "batch_size=True": ("batch_size", dict(batch_size=True)),
     "batch_size=2.0": ("batch_size", dict(batch_size=2.0)),
+    "sampler-and-shuffle": ("sampler", dict(sampler=[0, 1], shuffle=True)),
+    "batch_sampler-and-batch_size": ("batch_sampler", dict(batch_sampler=[[0, 1]], batch_size=2)),
+    "batch_sampler-and-shuffle": ("batch_sampler", dict(batch_sampler=[[0, 1]], shuffle=True)),
+    "batch_sampler-and-sampler": ("batch_sampler", dict(batch_sampler=[[0, 1]], sampler=[0, 1])),
+    "batch_sampler-and-drop_last": ("batch_sampler", dict(batch_sampler=[[0, 1]], drop_last=True)),
+    "batch_size=None-and-drop_last": ("batch_size", dict(batch_size=None, drop_last=True)),
 }
 
 
@@ -686,7 +693,7 @@ def test_generic_in_annotations(kind):
     assert typing.get_type_hints(train, localns={"cls": cls})["loader"] == alias
 
 
-# -- deliberate differences: refused, saying what to use -----------------------------------------
+# -- samplers, batch samplers, generator, unbatched: DataLoader's batches (issue 38) ---------------
 
 class _Reversed(Sampler[int]):
     """A custom order: the indices backwards."""
@@ -701,21 +708,71 @@ class _Reversed(Sampler[int]):
         return iter(range(self.n - 1, -1, -1))
 
 
-DIFFERENCES = {
-    "sampler-custom-order": ("sampler", dict(sampler=_Reversed(N))),
-    "sampler-weighted": ("sampler", dict(sampler=WeightedRandomSampler([1.0] * N, N))),
-    "batch_sampler": ("batch_sampler", dict(batch_sampler=BatchSampler(_Reversed(N), 3, False))),
-    "generator": ("generator", dict(shuffle=True, generator=torch.Generator().manual_seed(1))),
-    "batch_size=None": ("batch_size", dict(batch_size=None)),
+def _weighted() -> WeightedRandomSampler:
+    """A fresh WeightedRandomSampler whose generator starts alike each time."""
+    return WeightedRandomSampler([float(i + 1) for i in range(N)], N, generator=torch.Generator().manual_seed(3))
+
+
+SAME_AS_DATALOADER = {
+    "sampler-custom-order": lambda: dict(batch_size=3, sampler=_Reversed(N)),
+    "sampler-list": lambda: dict(batch_size=4, sampler=[5, 1, 1, 9, 0]),
+    "sampler-weighted": lambda: dict(batch_size=3, sampler=_weighted()),
+    "sampler-drop_last": lambda: dict(batch_size=3, sampler=_Reversed(N), drop_last=True),
+    "batch_sampler": lambda: dict(batch_sampler=BatchSampler(_Reversed(N), 3, False)),
+    "batch_sampler-lists": lambda: dict(batch_sampler=[[0, 1], [9], [2, 3, 4, 5]]),
+    "batch_size=None": lambda: dict(batch_size=None),
+    "batch_size=None-sampler": lambda: dict(batch_size=None, sampler=_Reversed(N)),
 }
 
 
-@pytest.mark.parametrize("difference", list(DIFFERENCES))
-def test_loader_refuses_what_would_break_exact_resume(difference):
-    """DataLoader takes these; the Loader refuses them (a ValueError or TypeError naming the
-    argument and what to use instead), never silently ignoring them."""
-    argument, kwargs = DIFFERENCES[difference]
-    close(DataLoader(cds.Samples(), **kwargs))  # DataLoader accepts it
-    raised = construction_error("loader", **kwargs)
-    assert isinstance(raised, (ValueError, TypeError)), f"{type(raised).__name__}: {raised}"
-    assert argument in str(raised) and len(str(raised)) > 60, f"not a clear refusal: {raised}"
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("case", list(SAME_AS_DATALOADER))
+def test_samplers_give_dataloaders_batches(case, num_workers, new):
+    """With the same sampler (or batch sampler, or batch_size=None), the Loader's batches are
+    DataLoader's, bit for bit, and so is len(); `sampler`/`batch_sampler` are what was given."""
+    kwargs = SAME_AS_DATALOADER[case]()
+    expected = list(DataLoader(cds.Samples(), **kwargs))
+    kwargs = SAME_AS_DATALOADER[case]()
+    loader = new("loader", cds.Samples(), num_workers=num_workers, **kwargs)
+    got = list(loader)
+    assert_identical(got, expected, case)
+    assert len(loader) == len(expected)
+    if "sampler" in kwargs:
+        assert loader.sampler is kwargs["sampler"]
+    if "batch_sampler" in kwargs:
+        assert loader.batch_sampler is kwargs["batch_sampler"] and loader.batch_size is None
+    if kwargs.get("batch_size", 1) is None:
+        assert loader.batch_sampler is None and loader.batch_size is None
+
+
+def test_generator_gives_the_seed():
+    """Deliberate difference (docs/migration.md): generator= is taken, and its initial_seed()
+    is the order's seed when seed= is not given (the order is a pure function of the seed, not
+    drawn from the generator's stream)."""
+    generator = torch.Generator().manual_seed(12345)
+    loader = Loader(cds.Samples(), batch_size=3, shuffle=True, generator=generator)
+    same = Loader(cds.Samples(), batch_size=3, shuffle=True, seed=12345)
+    try:
+        assert loader.generator is generator and loader.seed == 12345
+        assert [loader.last_indices.tolist() for _ in loader] == [same.last_indices.tolist() for _ in same]
+        assert Loader(cds.Samples(), generator=generator, seed=7).seed == 7
+    finally:
+        loader.close()
+        same.close()
+
+
+class _Unsized:
+    """An iterable of indices without len()."""
+
+    def __iter__(self):
+        return iter([3, 1, 4, 1, 5])
+
+
+def test_a_sampler_without_len_has_dataloaders_type_error(new):
+    loader = new("loader", cds.Samples(), batch_size=2, sampler=_Unsized())
+    with pytest.raises(TypeError):
+        len(DataLoader(cds.Samples(), batch_size=2, sampler=_Unsized()))
+    with pytest.raises(TypeError, match="len"):
+        len(loader)
+    expected = list(DataLoader(cds.Samples(), batch_size=2, sampler=_Unsized()))
+    assert_identical(list(loader), expected, "unsized sampler")

@@ -8,6 +8,7 @@ read through `shardloader.loader.protocol` only, its source through `ShardSource
 
 from __future__ import annotations
 
+import copy
 import importlib
 import os
 import threading
@@ -21,7 +22,7 @@ import torch
 
 from shardloader.loader.collate import Allocate, BatchBuilder, collate
 from shardloader.loader.failures import SampleFailed
-from shardloader.loader.protocol import KeyedReads, LoaderDataset
+from shardloader.loader.protocol import KeyedReads, LoaderDataset, stateful_part
 from shardloader.order.global_rngs import LazyGlobalRngScope
 from shardloader.order.seeding import sample_keys
 from shardloader.runtime.startup import paused_gc
@@ -58,6 +59,9 @@ class BatchTimings:
 
     figures: dict[str, float] = field(default_factory=worker_figures)
     extra: dict[str, float] = field(default_factory=dict)
+    #: A dataset with a state (`protocol.Stateful`): its `state_dict()` right after this batch
+    #: was made, in the process that made it (the Loader saves the last delivered batch's).
+    dataset_state: Any = None
 
 
 def uses_global_rng(transform: Transform | None) -> bool:
@@ -92,6 +96,8 @@ class BatchProducer:
         #: The global RNGs this process has seen the transform draw from (seeded per sample).
         self._globals_in_use: set[str] = set()
         self._direct = direct_batch_transform(transform, self.collate_fn)
+        #: What holds the dataset's own state (a user's dataset with state_dict), or None.
+        self._stateful = stateful_part(dataset)
 
     #: Set in a worker process: its cache counters then belong to the batches it produces.
     #: In the training process (num_workers=0, or threads) the Loader takes the process-wide
@@ -102,6 +108,10 @@ class BatchProducer:
     #: Set by a worker process to its id: `worker_init_fn(worker_id)` then runs before the
     #: process's first batch (inside the task, so a failure is reported with that batch).
     worker_id: int | None = None
+    #: A dataset state to load into this worker process's copy of the dataset before its first
+    #: batch (after worker_init_fn, as StatefulDataLoader): set by `Loader.load_state_dict`
+    #: for the workers started next (`PoolKeeper.get` clears it once they are).
+    dataset_state: Any = None
     #: Set by a worker process to its SlotWriter's `allocate`: the direct batch path then
     #: builds the image tensor inside a shared-memory slot, which `pack` sends without a copy.
     allocate: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None
@@ -116,9 +126,12 @@ class BatchProducer:
         source = self.dataset.source
         before = source.counters() if self.report_cache_counters and source.counts_reads else None
         wait_before = self.dataset.shard_wait_seconds()
-        if self.worker_id is not None and self.worker_init_fn is not None:
+        if self.worker_id is not None:
             worker_id, self.worker_id = self.worker_id, None  # once per process
-            self.worker_init_fn(worker_id)
+            if self.worker_init_fn is not None:
+                self.worker_init_fn(worker_id)
+            if self.dataset_state is not None and self._stateful is not None:
+                self._stateful.load_state_dict(copy.deepcopy(self.dataset_state))
         t0 = time.perf_counter()
         samples = task.samples
         if samples is None:
@@ -153,6 +166,8 @@ class BatchProducer:
                     records = self._transform_all(task, records, samples)
                 batch = self.collate_fn(records)
         figures["transform_seconds"] = time.perf_counter() - t1
+        if self._stateful is not None:  # a copy: the dataset goes on changing it
+            timings.dataset_state = copy.deepcopy(self._stateful.state_dict())
         return batch, timings
 
     def warm_up(self) -> None:

@@ -299,3 +299,16 @@ def _stacked_as(value: Any) -> tuple[torch.dtype, tuple[int, ...], np.dtype] | N
             return None
         return value.dtype, tuple(value.shape), value.numpy().dtype
     return None
+
+
+class Unbatched:
+    """`batch_size=None` (DataLoader's unbatched mode): each step reads one sample, and the
+    batch is `convert(sample)` — DataLoader's `default_convert`, or the user's `collate_fn`,
+    which DataLoader then calls on each sample alone. Picklable (it travels to the workers)."""
+
+    def __init__(self, convert: Any) -> None:
+        self.convert = convert
+
+    def __call__(self, records: Sequence[Any]) -> Any:
+        (record,) = records
+        return self.convert(record)

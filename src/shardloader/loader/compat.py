@@ -2,8 +2,8 @@
 
 The Loader takes DataLoader's arguments with DataLoader's defaults, so that replacing one with
 the other is a one-line change. Where DataLoader has an argument the Loader cannot honour
-without giving up exact resume (a sampler, an RNG stream), it is refused with what to use
-instead: silently ignoring it would change which samples a run sees.
+(`in_order=False`, `pin_memory_device=`), it is refused with what to use instead: silently
+ignoring it would change what a run sees. Samplers: `shardloader.loader.sampling`.
 """
 
 from __future__ import annotations
@@ -17,38 +17,13 @@ from typing import Any
 
 from shardloader.order.partition import check_tail
 
-_SAMPLER_ADVICE = (
-    "the Loader orders samples itself, as a pure function of (seed, epoch, shuffle) so that "
-    "resume is exact: drop a DistributedSampler (rank and world size come from "
-    "torch.distributed; batch_size is per rank), use shuffle=True/False and seed= for "
-    "RandomSampler/SequentialSampler, and torch.utils.data.Subset(dataset, indices) for a "
-    "subset. Weighted or custom samplers are not supported"
-)
 
-
-def check_dataloader_arguments(*, batch_size: Any, sampler: Any, batch_sampler: Any,
-                               generator: Any, in_order: bool, pin_memory_device: str) -> None:
+def check_dataloader_arguments(*, batch_size: Any, in_order: bool, pin_memory_device: str) -> None:
     """Raise ValueError/TypeError for DataLoader arguments the Loader does not take, saying what
-    to use instead."""
-    if batch_size is None:
-        raise ValueError(
-            "batch_size=None (unbatched samples) is not supported: the Loader's state counts "
-            "batches. Use batch_size=1 and index the batch, or iterate the dataset directly"
-        )
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if sampler is not None:
-        raise ValueError(f"sampler= is not supported: {_SAMPLER_ADVICE}")
-    if batch_sampler is not None:
-        raise ValueError(f"batch_sampler= is not supported: {_SAMPLER_ADVICE}; batches are "
-                         f"batch_size consecutive samples of that order")
-    if generator is not None:
-        raise ValueError(
-            "generator= is not supported: the Loader draws from no RNG stream. The order and "
-            "each sample's augmentation keys are pure functions of seed=, the epoch and the "
-            "sample index (that is what makes resume exact under any num_workers); pass "
-            "seed=<int> instead, e.g. seed=generator.initial_seed()"
-        )
+    to use instead (`sampler=`, `batch_sampler=` and their combinations: `loader.sampling`)."""
+    if batch_size is not None and (not isinstance(batch_size, int) or isinstance(batch_size, bool)
+                                   or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive integer (or None: unbatched), got {batch_size!r}")
     if not in_order:
         raise ValueError(
             "in_order=False is not supported: batches always arrive in order, so that they and "
@@ -169,6 +144,17 @@ def warn_worker_count(num_workers: int, worker_type: str) -> None:
             f"workers mostly wait on I/O.",
             UserWarning, stacklevel=4,  # the caller of Loader(...), past __init__ and gc_paused
         )
+
+
+def resolve_seed(seed: Any, generator: Any) -> Any:
+    """The order's seed: `seed=` when given, else the `generator=`'s initial_seed() (DataLoader
+    draws its order from that generator; the Loader's order is a pure function of the seed, so
+    two Loaders given generators seeded alike read alike), else 0."""
+    if seed is not None:
+        return seed
+    if generator is not None:
+        return int(generator.initial_seed())
+    return 0
 
 
 def check_seed(seed: Any) -> int:

@@ -20,6 +20,9 @@ stale.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from shardloader.errors import StateError
 
 
 @dataclass
@@ -34,6 +37,9 @@ class Cursor:
     generation: int = 0
     iterations: int = 0  # bumped by each iter() and close(): iterators not started go stale only then
     last_batch: tuple[int, int] | None = None  # (epoch, step) of the last batch delivered
+    #: The dataset's `state_dict()` as the process that made the last delivered batch left it
+    #: (a dataset with a state; see `shardloader.loader.dataset_state`), else None.
+    dataset_state: Any = None
 
     @property
     def epoch_finished(self) -> bool:
@@ -79,3 +85,25 @@ class Cursor:
         """The iteration over the current epoch ended: the next epoch is current, at its start."""
         self.epoch, self.position = self.epoch + 1, 0
         self.restored = False
+
+
+def check_move(cursor: Cursor, epoch: int) -> None:
+    """Refuse a `set_epoch(epoch)` that would replay data, or skip data of a restored
+    cursor (StateError saying which loop to write; see `Loader.set_epoch`)."""
+    where = (f"epoch {cursor.epoch} at position {cursor.position} of {cursor.length}"
+             + (", restored from a saved state" if cursor.restored else ""))
+    loop = (f"start the epoch loop at the loader's epoch: `for epoch in range(loader.epoch, "
+            f"epochs): loader.set_epoch(epoch)` (loader.epoch is {cursor.epoch}, the epoch to "
+            f"run next)")
+    if epoch < cursor.epoch:
+        raise StateError(
+            f"set_epoch({epoch}) would move this loader back from {where} and replay data; "
+            f"{loop}. To replay on purpose, call set_epoch({epoch}, force=True)."
+        )
+    if cursor.restored and not (cursor.epoch_finished and epoch == cursor.epoch + 1):
+        skipped = (f"the rest of epoch {cursor.epoch}" if not cursor.epoch_finished
+                   else f"epochs {cursor.epoch + 1}..{epoch - 1}")
+        raise StateError(
+            f"set_epoch({epoch}) would skip {skipped}: this loader is at {where}; {loop}. "
+            f"To skip on purpose, call set_epoch({epoch}, force=True)."
+        )

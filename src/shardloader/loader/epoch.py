@@ -11,7 +11,7 @@ sidecars, prefetch) is `EpochPrefetch`'s, called here in the order a cold start 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from shardloader.loader.batches import BatchTask
@@ -45,7 +45,7 @@ class EpochIterator:
     by its `__del__` mid-epoch and its exit handler still closes them."""
 
     def __init__(self, owner: object, cursor: Cursor, plan: StepPlan, dataset: LoaderDataset,
-                 workers: PoolKeeper, *, steps: int, length: int, pin_memory: bool, rank: int,
+                 workers: PoolKeeper, *, steps: int, length: Callable[[], int], pin_memory: bool, rank: int,
                  stats: Any, telemetry: Any) -> None:
         self.owner = owner
         self.cursor = cursor
@@ -59,7 +59,7 @@ class EpochIterator:
         self.generation = cursor.generation
         self.iteration = cursor.iterations
         self.steps = steps  # global steps: the last may have no batch for this rank
-        self.length = length  # this rank's batches: len(loader)
+        self.length = length  # this rank's batches: len(loader) (TypeError for an unsized sampler)
         self.started = False  # the first __next__ starts the iteration (under paused_gc)
         self.ended = False  # StopIteration was raised: the cursor moved to the next epoch
         self.finished = False  # prefetch stopped (and workers released, unless persistent)
@@ -75,11 +75,12 @@ class EpochIterator:
         self.dataset.check_length()
         self.epoch = self.cursor.epoch
         first_step = self.cursor.next_step  # the end: steps
+        self.plan.begin(self.epoch, first_step)  # a user's sampler: its iter(), at first_step
         workers = self.workers
         self.prefetch = EpochPrefetch(self.dataset, self.plan, self.epoch, range(first_step, self.steps),
                                       num_workers=workers.num_workers)
         self.prefetch.before_workers(workers)
-        if workers.forks and workers.would_inherit():
+        if workers.forks and workers.would_inherit() and self.plan.looks_ahead:
             self.plan.order(self.epoch)  # built once, here: forked workers share it (see plan.py)
         self.pool = workers.get()
         self.prefetch.after_workers_started(workers.depth)
@@ -102,11 +103,14 @@ class EpochIterator:
         while self.to_submit < self.steps:
             step = self.to_submit
             self.to_submit += 1
-            size, padded = self.plan.counts(step)
+            # With workers, the order is computed in the worker; inline, here (same thread).
+            drawn = self.plan.draw(self.epoch, step, inline=self.workers.num_workers == 0)
+            if drawn is None:  # a user's sampler ran out: the epoch ends here
+                self.to_submit = self.steps
+                return
+            samples, padded, size = drawn
             if size == 0:  # tail="partial": nothing falls to this rank
                 continue
-            # With workers, the order is computed in the worker; inline, here (same thread).
-            samples = None if self.workers.num_workers > 0 else self.plan.samples(self.epoch, step)
             task = BatchTask(self.workers.new_task_id(), self.epoch, step, samples, padded, size)
             self.pool.submit(task)
             self.in_flight.append(task)
@@ -117,7 +121,7 @@ class EpochIterator:
 
     def __len__(self) -> int:
         """Batches of the whole epoch, len(loader) (DataLoader's iterators have a length too)."""
-        return self.length
+        return self.length()
 
     def __next__(self) -> Any:
         attempt = current_attempt()
@@ -204,6 +208,8 @@ class EpochIterator:
         self.dataset.check_length()
         fetch_seconds = time.perf_counter() - start
         self.cursor.advance(task.step)
+        if timings.dataset_state is not None:  # the dataset's state as this batch left it
+            self.cursor.dataset_state = timings.dataset_state
         self.recorder.record(task, timings, fetch_seconds, queue_depth)
         return batch
 

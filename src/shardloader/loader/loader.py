@@ -26,21 +26,24 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
 import numpy as np
+from torch.utils.data import default_convert
 
 from shardloader.errors import StateError
 from shardloader.loader.batches import BatchProducer, Transform
-from shardloader.loader.collate import collate
+from shardloader.loader.collate import Unbatched, collate
 from shardloader.loader.compat import (
     check_dataloader_arguments,
     check_seed,
     check_worker_arguments,
     check_worker_init,
     resolve_context,
+    resolve_seed,
     resolve_tail,
     warn_if_no_batches,
     warn_worker_count,
 )
-from shardloader.loader.cursor import Cursor
+from shardloader.loader.cursor import check_move
+from shardloader.loader.dataset_state import restore_dataset_state, saved_dataset_state
 from shardloader.loader.epoch import EpochIterator, warm_first_batch
 from shardloader.loader.mapstyle import (
     MAP_STYLE_PARTITIONS,
@@ -52,22 +55,21 @@ from shardloader.loader.pinning import pins
 from shardloader.loader.plan import StepPlan
 from shardloader.loader.pool_keeper import PoolKeeper
 from shardloader.loader.recording import make_stats
-from shardloader.loader.samplers import LoaderBatchSampler, LoaderSampler
+from shardloader.loader.sampling import (
+    check_distributed,
+    check_sampler_arguments,
+    choose_order,
+    load_order_state,
+    make_cursor,
+    make_plan,
+    order_fingerprint,
+    order_views,
+    saved_order_state,
+)
 from shardloader.loader.state import fingerprint_differences, make_state, validate_state
 from shardloader.loader.workers.lifetime import CLOSE_SECONDS, end_pools_at_exit
-from shardloader.order.partition import (
-    check_world,
-    dropped_samples,
-    epoch_length,
-    padded_samples,
-    steps_per_epoch,
-)
-from shardloader.order.shuffle import (
-    DEFAULT_PARTITIONS,
-    DEFAULT_WINDOW,
-    EpochOrder,
-    ShuffleSettings,
-)
+from shardloader.order.partition import check_world
+from shardloader.order.shuffle import DEFAULT_PARTITIONS, DEFAULT_WINDOW, ShuffleSettings
 from shardloader.runtime.distenv import end_with_launcher, process_group_active, rank_and_world
 from shardloader.runtime.startup import gc_paused
 from shardloader.telemetry.job.recorder import current_attempt
@@ -161,7 +163,7 @@ class Loader(Generic[T_co]):
         batch_size: int | None = 1,
         *,
         shuffle: bool | None = False,
-        seed: int = 0,
+        seed: int | None = None,
         num_workers: int = 0,
         transform: Transform | None = None,
         collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -186,10 +188,10 @@ class Loader(Generic[T_co]):
         pin_memory_device: str = "",
         in_order: bool = True,
     ) -> None:
-        check_dataloader_arguments(batch_size=batch_size, sampler=sampler, batch_sampler=batch_sampler,
-                                   generator=generator, in_order=in_order,
+        check_dataloader_arguments(batch_size=batch_size, in_order=in_order,
                                    pin_memory_device=pin_memory_device)
-        assert batch_size is not None
+        check_sampler_arguments(batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                                batch_sampler=batch_sampler, drop_last=drop_last)
         prefetch_factor = check_worker_arguments(num_workers=num_workers, timeout=timeout,
                                                  prefetch_factor=prefetch_factor,
                                                  persistent_workers=persistent_workers,
@@ -205,21 +207,25 @@ class Loader(Generic[T_co]):
         self.dataset = dataset
         self._data = as_loader_dataset(dataset)  # what batches are read from
         map_style = isinstance(self._data, MapStyleDataset)
-        self.batch_size = batch_size
+        kind, given = self._order = choose_order(dataset, shuffle=bool(shuffle), sampler=sampler,
+                                                 batch_sampler=batch_sampler)
+        self.batch_size = None if batch_sampler is not None else batch_size  # DataLoader's
+        per_rank = batch_size or 1  # batch_size=None: one sample per step; a batch sampler's own
         self.rank, self.world_size = rank_and_world(rank, world_size)
         end_with_launcher()  # a rank orphaned by a killed torchrun agent stops (with its workers)
         self._world_from_group = rank is None or world_size is None  # checked again at iter()
-        self.global_batch_size = batch_size * self.world_size
+        if kind.startswith("drawn"):
+            check_distributed(given, self.rank, self.world_size)
+        self.global_batch_size = per_rank * self.world_size
         check_world(self.global_batch_size, self.world_size, self.rank)
-        self.seed = check_seed(seed)
+        self.seed = check_seed(resolve_seed(seed, generator))
         if partitions is None:
             partitions = MAP_STYLE_PARTITIONS if map_style else DEFAULT_PARTITIONS
         if window is None:
             window = MAP_STYLE_WINDOW if map_style else DEFAULT_WINDOW
         self.settings = ShuffleSettings(shuffle=bool(shuffle), partitions=partitions, window=window)
         self.shuffle = self.settings.shuffle
-        self.tail = resolve_tail(tail, drop_last, self.world_size)
-        warn_if_no_batches(len(self._data), self.global_batch_size, self.tail)
+        self.tail = resolve_tail(tail, drop_last, self.world_size if kind in ("own", "pure") else 1)
         self.drop_last = self.tail == "drop"
         self.num_workers = num_workers
         self.worker_type = worker_type
@@ -227,29 +233,33 @@ class Loader(Generic[T_co]):
         self.persistent_workers = persistent_workers
         self.pin_memory = pin_memory
         self.transform = transform
-        self.collate_fn = collate_fn if collate_fn is not None else collate
+        self.collate_fn = collate_fn if collate_fn is not None else (
+            collate if batch_size is not None else default_convert)  # DataLoader's, unbatched
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = context  # a context object, as DataLoader keeps it
-        self.generator = None  # the order comes from `seed`: no RNG stream (see compat)
+        self.generator = generator  # its initial_seed() is the seed when seed= is not given
         self.timeout = 0 if timeout is None else timeout
         self.transform_version = (transform_version if transform_version is not None
                                   else None if transform is None else describe_transform(transform))
         self.telemetry = telemetry
-        self._plan = StepPlan(np.diff(offsets := self._data.index.sample_offsets), self.seed, self.settings,
-                              self.rank, self.world_size, self.global_batch_size, self.tail, offsets)
-        producer = BatchProducer(self._data, seed=self.seed, transform=transform, collate_fn=collate_fn,
+        self._plan = make_plan(kind, given, data=self._data, seed=self.seed, settings=self.settings,
+                               rank=self.rank, world_size=self.world_size, tail=self.tail,
+                               global_batch_size=self.global_batch_size, batch_size=per_rank,
+                               drop_last=self.drop_last)
+        if kind in ("own", "pure"):
+            warn_if_no_batches(self._plan.length, self.global_batch_size, self.tail)
+        producer = BatchProducer(self._data, seed=self.seed, transform=transform,
+                                 collate_fn=collate_fn if batch_size is not None else Unbatched(self.collate_fn),
                                  worker_init_fn=worker_init_fn)
-        producer.plan = self._plan
+        producer.plan = self._plan if isinstance(self._plan, StepPlan) else None  # others: in the task
         self._workers = PoolKeeper(producer, num_workers=num_workers, worker_type=worker_type,
                                    context=start_method, timeout=timeout or None,  # 0: none
                                    prefetch_factor=prefetch_factor or 2, persistent=persistent_workers,
                                    worker_dataset=dataset)
-        self._cursor = Cursor(epoch_length(len(self._data), self.global_batch_size, self.tail),
-                              self.global_batch_size)
+        self._cursor = make_cursor(kind, self._plan, self.global_batch_size, self.tail)
         self._active: weakref.ref[EpochIterator] | None = None
         self._stats = make_stats()
-        self.sampler = LoaderSampler(self)
-        self.batch_sampler = LoaderBatchSampler(self, self.sampler)
+        self.sampler, self.batch_sampler = order_views(kind, given, self, batch_size, self.drop_last)
         self._initialized = True  # from here on, READ_ONLY_ATTRIBUTES are
         _LIVE_LOADERS.add(self)
         warm_first_batch(self._data, self._plan, self._cursor, self._global_steps)  # cold start
@@ -274,20 +284,21 @@ class Loader(Generic[T_co]):
 
     def __len__(self) -> int:
         """Batches per epoch for this rank: what every full pass yields (with tail="partial"
-        under world_size > 1, a rank that gets nothing of the last global batch has one less)."""
-        steps = self._global_steps
-        if steps and self._plan.counts(steps - 1)[0] == 0:
-            steps -= 1
-        return steps
+        under world_size > 1, a rank that gets nothing of the last global batch has one less).
+        A sampler without len(): TypeError, as DataLoader's."""
+        return self._plan.rank_batches()
 
     @property
     def _global_steps(self) -> int:
         """Global steps per epoch (the same on every rank)."""
-        return steps_per_epoch(self.num_samples, self.global_batch_size, self.tail)
+        return self._plan.global_steps
 
     @property
     def samples_per_epoch(self) -> int:
         """Samples this rank's batches hold per epoch (padding included)."""
+        if self._order[0] != "own":
+            raise TypeError("samples_per_epoch is the Loader's own order's; with a sampler= or "
+                            "batch_sampler= it is the sampler's to say")
         return sum(self._plan.counts(step)[0] for step in range(self._global_steps))
 
     @property
@@ -303,11 +314,10 @@ class Loader(Generic[T_co]):
 
     def tail_report(self) -> dict[str, int]:
         """How many samples each epoch pads or drops to give every rank equal batches."""
-        n, g = self.num_samples, self.global_batch_size
-        return {"padded": padded_samples(n, g, self.tail), "dropped": dropped_samples(n, g, self.tail)}
+        return self._plan.tail_report()
 
     # -- order --------------------------------------------------------------------------------
-    def epoch_order(self, epoch: int) -> EpochOrder:
+    def epoch_order(self, epoch: int) -> Any:
         return self._plan.order(epoch)
 
     def step_samples(self, epoch: int, step: int, rank: int | None = None) -> np.ndarray:
@@ -336,28 +346,8 @@ class Loader(Generic[T_co]):
         if epoch == self._cursor.epoch:
             return
         if not force:
-            self._check_move(epoch)
+            check_move(self._cursor, epoch)
         self._cursor.move_to(epoch)
-
-    def _check_move(self, epoch: int) -> None:
-        cursor = self._cursor
-        where = (f"epoch {cursor.epoch} at position {cursor.position} of {cursor.length}"
-                 + (", restored from a saved state" if cursor.restored else ""))
-        loop = (f"start the epoch loop at the loader's epoch: `for epoch in range(loader.epoch, "
-                f"epochs): loader.set_epoch(epoch)` (loader.epoch is {self.epoch}, the epoch to "
-                f"run next)")
-        if epoch < cursor.epoch:
-            raise StateError(
-                f"set_epoch({epoch}) would move this loader back from {where} and replay data; "
-                f"{loop}. To replay on purpose, call set_epoch({epoch}, force=True)."
-            )
-        if cursor.restored and not (cursor.epoch_finished and epoch == cursor.epoch + 1):
-            skipped = (f"the rest of epoch {cursor.epoch}" if not cursor.epoch_finished
-                       else f"epochs {cursor.epoch + 1}..{epoch - 1}")
-            raise StateError(
-                f"set_epoch({epoch}) would skip {skipped}: this loader is at {where}; {loop}. "
-                f"To skip on purpose, call set_epoch({epoch}, force=True)."
-            )
 
     def fingerprint(self) -> dict[str, Any]:
         return {
@@ -367,11 +357,17 @@ class Loader(Generic[T_co]):
             "global_batch_size": self.global_batch_size,
             "tail": self.tail,
             "transform_version": self.transform_version,
+            "sampler": order_fingerprint(*self._order),
+            **({"global_batch_size": None} if self._order[0].endswith("batches") else {}),
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """The cursor: epoch and global positions consumed by batches the caller received."""
-        return make_state(self._cursor.epoch, self._cursor.position, self.fingerprint())
+        """The cursor: epoch and global positions consumed by batches the caller received (a
+        batch sampler's: batches), and the sampler's and the dataset's own states if any."""
+        cursor = self._cursor
+        return make_state(cursor.epoch, cursor.position, self.fingerprint(),
+                          sampler=saved_order_state(*self._order, self._plan, cursor),
+                          dataset=saved_dataset_state(self._data, cursor))
 
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
         """Resume at `state`'s cursor. Raises StateError when the fingerprint differs, unless
@@ -391,6 +387,9 @@ class Loader(Generic[T_co]):
                 f"{length} positions with global batch size {self.global_batch_size}"
             )
         self._cursor.restore(state["epoch"], position)
+        load_order_state(*self._order, self._plan, state.get("sampler"), state["epoch"], position,
+                         self._cursor.next_step)
+        restore_dataset_state(self._data, self._cursor, self._workers, state.get("dataset"))
         warm_first_batch(self._data, self._plan, self._cursor, self._global_steps)  # its first batch's
         attempt = current_attempt()
         if attempt is not None:  # where this attempt's training resumes, for the job's account
@@ -405,7 +404,7 @@ class Loader(Generic[T_co]):
         self._cursor.invalidate()
         self._cursor.iterations += 1
         iterator = EpochIterator(self, self._cursor, self._plan, self._data, self._workers,
-                                 steps=self._global_steps, length=len(self), rank=self.rank,
+                                 steps=self._global_steps, length=self._plan.rank_batches, rank=self.rank,
                                  pin_memory=pins(self.pin_memory),
                                  stats=self._stats, telemetry=self.telemetry)
         self._active = weakref.ref(iterator)

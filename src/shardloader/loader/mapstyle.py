@@ -49,6 +49,7 @@ from shardloader.loader.failures import SampleFailed
 from shardloader.loader.protocol import (
     KeyedReads,
     LoaderDataset,
+    Stateful,
     as_native_dataset,
     is_sharded_dataset,
 )
@@ -128,6 +129,9 @@ class MapStyleDataset(LoaderDataset, KeyedReads):
             ) from None
         self.dataset = dataset
         self.name = name
+        #: The dataset itself when it has a state of its own (state_dict/load_state_dict): the
+        #: Loader saves and restores it (see `Loader.state_dict`).
+        self.state_holder: Stateful | None = dataset if isinstance(dataset, Stateful) else None
         # The producer reads through `read_keyed` unless the dataset draws no random numbers.
         self.keyed_reads = bool(dataset.uses_global_rng) if isinstance(dataset, _DeclaresRngUse) else True
         self.index = _MapStyleIndex(int(length), f"{name} len={int(length)}{_identity(dataset)}")

@@ -26,11 +26,17 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
-from shardloader.order.partition import step_counts, step_positions
+from shardloader.order.partition import (
+    dropped_samples,
+    padded_samples,
+    step_counts,
+    step_positions,
+    steps_per_epoch,
+)
 from shardloader.order.shuffle import EpochOrder, ShuffleSettings, prefix_sums
 from shardloader.runtime.heap import trim_heap
 
@@ -66,6 +72,10 @@ class StepPlan:
     #: The prefix sums of `shard_sizes` (int64, S + 1), where the caller has them already (the
     #: index's `sample_offsets`): used instead of a copy made here. None: made when needed.
     offsets: np.ndarray | None = field(default=None, repr=False, compare=False)
+    #: A `PureSampler` (see `shardloader.loader.protocol`) whose `samples_at` replaces the
+    #: Loader's own `EpochOrder`: its len() positions per epoch are cut into steps and ranks
+    #: exactly as the own order's are. None: the own order.
+    sampler: Any = None
     _cache: dict[int, EpochOrder] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # thread workers
     _blocks: dict[tuple[int, int], list[np.ndarray]] = field(default_factory=dict, repr=False)
@@ -79,6 +89,15 @@ class StepPlan:
         if total is None:  # the shard sizes never change: summed once (numpy's sum is ~40 us)
             total = self.__dict__["_num_samples"] = int(self.shard_sizes.sum())
         return total
+
+    #: Whether any step's samples can be computed ahead (prefetch reads along them) and in
+    #: the workers: a pure function of (epoch, step).
+    looks_ahead = True
+
+    @property
+    def length(self) -> int:
+        """Positions per epoch: the dataset's samples, or the sampler's len()."""
+        return self.num_samples if self.sampler is None else len(self.sampler)
 
     @property
     def shard_offsets(self) -> np.ndarray:
@@ -109,6 +128,10 @@ class StepPlan:
         kept = 2 if os.getpid() == self._pid else 1
         with self._lock:
             order = self._cache.get(epoch)
+            if order is None and self.sampler is not None:
+                order = self._cache[epoch] = SamplerOrder(self.sampler, self.seed, epoch, self.shard_offsets)
+                while len(self._cache) > kept:
+                    self._cache.pop(next(iter(self._cache)))
             if order is None:
                 order = EpochOrder(self.shard_sizes, self.seed, epoch, self.settings, self.shard_offsets)
                 self._cache[epoch] = order
@@ -120,12 +143,40 @@ class StepPlan:
 
     def positions(self, step: int, rank: int | None = None) -> np.ndarray:
         return step_positions(step, self.rank if rank is None else rank, self.world_size,
-                              self.global_batch_size, self.num_samples, self.tail)
+                              self.global_batch_size, self.length, self.tail)
 
     def counts(self, step: int) -> tuple[int, int]:
         """(samples, padded) this rank reads at `step`, without computing which."""
         return step_counts(step, self.rank, self.world_size, self.global_batch_size,
-                           self.num_samples, self.tail)
+                           self.length, self.tail)
+
+    @property
+    def global_steps(self) -> int:
+        """Global steps per epoch (the same on every rank)."""
+        return steps_per_epoch(self.length, self.global_batch_size, self.tail)
+
+    def rank_batches(self) -> int:
+        """This rank's batches per epoch, len(loader) (with tail="partial" under world_size > 1,
+        a rank that gets nothing of the last global batch has one less)."""
+        steps = self.global_steps
+        if steps and self.counts(steps - 1)[0] == 0:
+            steps -= 1
+        return steps
+
+    def tail_report(self) -> dict[str, int]:
+        """How many positions each epoch pads or drops to give every rank equal batches."""
+        n, g = self.length, self.global_batch_size
+        return {"padded": padded_samples(n, g, self.tail), "dropped": dropped_samples(n, g, self.tail)}
+
+    def begin(self, epoch: int, first_step: int) -> None:
+        """An iteration over `epoch` begins at `first_step` (nothing to do: a pure order)."""
+
+    def draw(self, epoch: int, step: int, *, inline: bool) -> tuple[np.ndarray | None, int, int] | None:
+        """What the epoch iterator submits for `step`: (samples, padded, size); samples None
+        where the worker computes them (not `inline`). None would mean the epoch ended there
+        (an order drawn from a user's sampler; this one knows its steps)."""
+        size, padded = self.counts(step)
+        return (self.samples(epoch, step) if inline and size else None), padded, size
 
     def samples(self, epoch: int, step: int, rank: int | None = None) -> np.ndarray:
         """Global sample indices this rank (or `rank`) reads at `step` of `epoch`."""
@@ -157,8 +208,26 @@ class StepPlan:
         self._lock = threading.Lock()
 
 
+class SamplerOrder:
+    """A `PureSampler`'s epoch, shaped as the `EpochOrder` the rest of the plan reads."""
+
+    def __init__(self, sampler: Any, seed: int, epoch: int, shard_offsets: np.ndarray) -> None:
+        self.sampler, self.seed, self.epoch = sampler, seed, epoch
+        self.shard_offsets = shard_offsets
+
+    def samples_at(self, positions: np.ndarray) -> np.ndarray:
+        return np.asarray(self.sampler.samples_at(self.seed, self.epoch, positions), dtype=np.int64)
+
+    def shards_of(self, samples: np.ndarray) -> np.ndarray:
+        """Shard id of each global sample index."""
+        return np.searchsorted(self.shard_offsets, np.asarray(samples, dtype=np.int64), "right") - 1
+
+
 def first_shards(plan: StepPlan, epoch: int, steps: range, shards: Sequence[Shard]) -> list[Shard]:
-    """The entries of `shards` that `steps` of `epoch` read, each once, in order of first read."""
+    """The entries of `shards` that `steps` of `epoch` read, each once, in order of first read
+    (none where the order cannot be computed ahead: a user's sampler, drawn as it goes)."""
+    if not plan.looks_ahead:
+        return []
     order = plan.order(epoch)
     first: dict[int, None] = {}
     for step in steps:
@@ -170,6 +239,8 @@ def shards_ahead(plan: StepPlan, epoch: int, steps: range, shards: Sequence[Shar
     """The entries of `shards` that `steps` of `epoch` read, in order of need: a shard comes
     again when it is read again after more than `_RECENT_SHARDS` others (it may have been
     evicted meanwhile). Lazy: a prefetcher takes only as many as its window holds."""
+    if not plan.looks_ahead:
+        return
     recent: dict[int, None] = {}
     for step in steps:
         read = plan.order(epoch).shards_of(plan.samples(epoch, step))

@@ -54,6 +54,7 @@ class PoolKeeper:
                                   context=self.context, timeout=self.timeout,
                                   prefetch_factor=self.prefetch_factor,
                                   worker_dataset=self.worker_dataset)
+            self.producer.dataset_state = None  # loaded by the workers just started, not later ones
         return self.pool
 
     def release(self, force: bool = False, timeout: float = CLOSE_SECONDS) -> None:

@@ -65,7 +65,7 @@ class EpochPrefetch:
         their first batch (~20 ms of a cold first batch, `benchmarks/coldstart.py`). Bounded: a
         fetch still running after `_PRIME_SECONDS` is left to finish in the background (its
         worker then fetches the rows itself)."""
-        if not self.steps:
+        if not self.steps or not self.plan.looks_ahead:
             return
         if not workers.would_inherit():
             return  # workers already running (persistent), or started fresh: they would not inherit

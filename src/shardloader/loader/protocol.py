@@ -147,3 +147,86 @@ def is_sharded_dataset(dataset: Any) -> bool:
 def as_native_dataset(dataset: ShardedDataset) -> LoaderDataset:
     """`dataset` itself when it is a whole `LoaderDataset`, else its core with the defaults."""
     return dataset if isinstance(dataset, LoaderDataset) else CoreOnly(dataset)
+
+
+# -- orders a Loader may be given (issue 38: `sampler=`, `batch_sampler=`, a dataset's own) --
+
+@runtime_checkable
+class PureSampler(Protocol):
+    """A sampler whose every epoch is a pure function of (seed, epoch): exact O(1) resume,
+    computed in the workers like the Loader's own order (so it must pickle).
+
+    `len()` is the positions per epoch (the same every epoch); `samples_at(seed, epoch,
+    positions)` the int64 global sample indices at those positions (0 <= position < len);
+    `fingerprint` its identity, part of the Loader state's fingerprint. Optional members the
+    Loader calls when present: `order_state(epoch, position) -> dict` (saved in the Loader's
+    state under "sampler") and `load_order_state(state, epoch, position)` (called by
+    `Loader.load_state_dict()` with that entry, before the resume). See docs/samplers.md."""
+
+    fingerprint: str
+
+    def __len__(self) -> int: ...
+
+    def samples_at(self, seed: int, epoch: int, positions: np.ndarray) -> np.ndarray: ...
+
+
+@runtime_checkable
+class PureBatchSampler(Protocol):
+    """A batch sampler whose every epoch is a pure function of (seed, epoch): `len()` batches
+    per epoch, `batches_at(seed, epoch, steps)` the int64 global sample indices of the batches
+    at those steps (each a global batch: rank r of W reads its items r, r + W, ...), and a
+    `fingerprint`. The optional `order_state`/`load_order_state` hooks are PureSampler's, with
+    the step in place of the position."""
+
+    fingerprint: str
+
+    def __len__(self) -> int: ...
+
+    def batches_at(self, seed: int, epoch: int, steps: np.ndarray) -> list[np.ndarray]: ...
+
+
+@runtime_checkable
+class KeepsOrderState(Protocol):
+    """A pure sampler whose order depends on its history (a mixture whose weights changed at a
+    resume): its state goes into the Loader's state under "sampler"."""
+
+    def order_state(self, epoch: int, position: int) -> dict[str, Any]: ...
+
+    def load_order_state(self, state: dict[str, Any], epoch: int, position: int) -> None: ...
+
+
+@runtime_checkable
+class OrdersItself(Protocol):
+    """A dataset that carries its own order: with `sampler=None` the Loader reads the sampler
+    `epoch_sampler(shuffle)` gives (`Loader(shardloader.Mixture(...))` gets the mixture's
+    interleave so)."""
+
+    def epoch_sampler(self, shuffle: bool) -> PureSampler: ...
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """StatefulDataLoader's convention for a sampler or dataset with a state: `state_dict()`
+    a small dict, `load_state_dict(state)` restores it (a sampler's next `iter()` then continues
+    from where the state was taken)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class HoldsState(Protocol):
+    """An adapter (a map-style dataset's `MapStyleDataset`) that says which object holds the
+    user's dataset state: `state_holder`, a `Stateful` or None."""
+
+    state_holder: Stateful | None
+
+
+def stateful_part(dataset: Any) -> Stateful | None:
+    """What holds a Loader dataset's own state (StatefulDataLoader's convention: a dataset with
+    `state_dict`/`load_state_dict`), or None: the user's map-style dataset behind an adapter,
+    or a native dataset that has them."""
+    if isinstance(dataset, HoldsState):
+        return dataset.state_holder
+    return dataset if isinstance(dataset, Stateful) else None

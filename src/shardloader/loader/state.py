@@ -10,8 +10,18 @@
 saved before it existed carry none and are order version 1. A state of another order version
 is refused like any other fingerprint difference: its position would name different samples.
 
-`position` counts only batches the caller received. Resuming is O(1): the order of any
-position is computable directly, so loading replays nothing.
+`position` counts only batches the caller received (batches, for a `batch_sampler=`).
+Resuming is O(1): the order of any position is computable directly, so loading replays nothing.
+
+Optional keys (issue 38; states without them load as before):
+
+    "sampler": {...}    # a sampler's own state: a stateful sampler's state_dict() as of the
+                        # last delivered batch, or a PureSampler's order_state(epoch, position)
+    "dataset": {...}    # the dataset's state_dict() (a map-style dataset with a state), as the
+                        # process that made the last delivered batch left it
+
+and the fingerprint's `sampler`: the order's identity (a PureSampler's `fingerprint`, another
+sampler's class and len(); None, implied when absent, for the Loader's own order).
 """
 
 from __future__ import annotations
@@ -24,20 +34,26 @@ STATE_FORMAT = "shardloader-loader-state"
 STATE_VERSION = 1
 FINGERPRINT_FIELDS = (
     "index", "seed", "shuffle", "partitions", "window", "order", "global_batch_size", "tail",
-    "transform_version",
+    "transform_version", "sampler",
 )
 # Fields a valid state may lack, and the value such a state means (saved by an older release).
-_IMPLIED = {"order": 1}
+_IMPLIED = {"order": 1, "sampler": None}
+#: Optional top-level keys, each a dict when present (see the module doc).
+OPTIONAL_STATES = ("sampler", "dataset")
 
 
-def make_state(epoch: int, position: int, fingerprint: dict[str, Any]) -> dict[str, Any]:
-    return {
+def make_state(epoch: int, position: int, fingerprint: dict[str, Any],
+               **optional: dict[str, Any] | None) -> dict[str, Any]:
+    """The state dict; `optional`: the OPTIONAL_STATES that are not None."""
+    state = {
         "format": STATE_FORMAT,
         "version": STATE_VERSION,
         "epoch": int(epoch),
         "position": int(position),
         "fingerprint": dict(fingerprint),
     }
+    state.update({key: value for key, value in optional.items() if value is not None})
+    return state
 
 
 def validate_state(state: Any) -> dict[str, Any]:
@@ -58,6 +74,10 @@ def validate_state(state: Any) -> dict[str, Any]:
     missing = [f for f in FINGERPRINT_FIELDS if f not in fingerprint and f not in _IMPLIED]
     if missing:
         raise StateError(f"loader state fingerprint lacks {', '.join(missing)}")
+    for key in OPTIONAL_STATES:
+        if key in state and not isinstance(state[key], dict):
+            raise StateError(f"loader state field {key!r} must be a dict (the {key}'s own "
+                             f"state_dict()), got {type(state[key]).__name__}")
     return state
 
 

@@ -70,3 +70,5 @@ TAG_ROTATE = 4
 TAG_ROWS = 5
 TAG_PIECES = 6
 TAG_WRITE = 7  # the order `write_shards(shuffle=True)` writes samples in
+TAG_WEIGHTED = 8  # WeightedSampler's draws
+TAG_GROUPED = 9  # GroupedBatchSampler's shuffles
