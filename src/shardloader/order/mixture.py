@@ -35,13 +35,12 @@ from typing import Any
 import numpy as np
 
 from shardloader.order.interleave import interleave, position_of_draw
-from shardloader.order.keys import derive_key, derive_keys
+from shardloader.order.keys import TAG_MIXTURE, derive_key, derive_keys
 from shardloader.order.permute import feistel_permute
 
 #: The mixture order's algorithm version: a state of another version is refused.
 MIXTURE_ORDER_VERSION = 1
 STATE_FORMAT = "shardloader-mixture-order"
-TAG_MIXTURE = 8  # beside order.keys' tags: the key space of a mixture's per-pass permutations
 
 
 def name_key(name: str) -> int:
