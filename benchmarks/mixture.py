@@ -10,8 +10,10 @@ The benchmark image set (`benchmarks/_images.py`, cached under benchmarks/out/) 
 
 Both decode, random-resized-crop to 112 px and flip (`DecodeCropFlip`) in batches of 64 with 2
 process workers, persistent. One warm-up epoch each, then `--rounds` rounds of one epoch of each,
-taking turns, so that load from other processes hits both alike. Samples/s are medians over
-rounds; the ratio is the median of per-round ratios (goal: >= 0.97).
+taking turns (each first every other round), so that load from other processes hits both
+alike. Samples/s and CPU per sample (this process and its workers) are medians over rounds; the
+ratios are medians of per-round ratios (goal: >= 0.97). On a loaded machine the wall-time
+ratio swings with other processes' load; the CPU ratio is the steadier figure of the two.
 
     .venv/bin/python -m benchmarks.mixture [--n 6000] [--rounds 5] [--json out.json]
 """
@@ -23,7 +25,16 @@ import os
 import time
 from typing import Any
 
-from benchmarks._common import emit, load_average, machine, median, spread, table
+from benchmarks._common import (
+    cpu_used,
+    emit,
+    load_average,
+    machine,
+    median,
+    spread,
+    table,
+    tree_cpu_seconds,
+)
 from benchmarks._images import SAMPLES_PER_SHARD, SHARDS_VERSION, ImageSet, _build, prepare_images
 
 BATCH, WORKERS, SIZE = 64, 2, 112
@@ -60,11 +71,13 @@ def loaders(images: ImageSet) -> dict[str, Any]:
     }
 
 
-def epoch_rate(loader: Any) -> float:
-    samples, start = 0, time.perf_counter()
+def epoch_rate(loader: Any) -> tuple[float, float]:
+    """(samples/s, CPU microseconds per sample of this process and its workers) of one epoch."""
+    samples, cpu, start = 0, tree_cpu_seconds(), time.perf_counter()
     for batch in loader:
         samples += int(batch["image"].shape[0])
-    return samples / (time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return samples / seconds, cpu_used(cpu, tree_cpu_seconds()) / samples * 1e6
 
 
 def main() -> None:
@@ -78,23 +91,32 @@ def main() -> None:
     for loader in built.values():  # warm-up: workers started, shards in the page cache
         epoch_rate(loader)
     rates: dict[str, list[float]] = {name: [] for name in built}
-    for _ in range(args.rounds):
-        for name, loader in built.items():
-            rates[name].append(epoch_rate(loader))
+    cpu: dict[str, list[float]] = {name: [] for name in built}
+    for round_ in range(args.rounds):
+        for name in sorted(built, reverse=bool(round_ % 2)):  # each goes first every other round
+            rate, us = epoch_rate(built[name])
+            rates[name].append(rate)
+            cpu[name].append(us)
     ratios = [m / s for m, s in zip(rates["mixture"], rates["single"], strict=True)]
+    cpu_ratios = [s / m for m, s in zip(cpu["mixture"], cpu["single"], strict=True)]
     stats = built["mixture"].stats()
     for loader in built.values():
         loader.close()
-    rows = [[name, f"{median(r):,.0f}", spread(r)] for name, r in rates.items()]
+    rows = [[name, f"{median(r):,.0f}", spread(r), f"{median(cpu[name]):,.0f}"] for name, r in rates.items()]
     text = "\n".join([
         f"Two-source Mixture vs the single-dataset shuffle, {images.n} images, batch {BATCH}, "
         f"{WORKERS} process workers, DecodeCropFlip({SIZE}); {args.rounds} rounds",
         f"machine: {machine()}; load: {load_average()}; pid {os.getpid()}",
-        table(["loader", "samples/s (median)", "range"], rows),
-        f"mixture / single: {median(ratios):.3f} (median of per-round ratios; range {spread(ratios)})",
-        f"mixture's per-source summary: {stats.get('sources')}",
+        table(["loader", "samples/s (median)", "range", "CPU us/sample (median)"], rows),
+        f"mixture / single, samples/s: {median(ratios):.3f} (median of per-round ratios; range "
+        f"{spread(ratios)})",
+        f"single / mixture, CPU per sample: {median(cpu_ratios):.3f} (range {spread(cpu_ratios)}): "
+        f"the throughput ratio where CPU is the bound",
+        "mixture's per-source summary: " + ", ".join(
+            f"{k}={v:,.3g}" for k, v in stats.items() if k.startswith("source.")),
     ])
-    emit(text, {"rates": rates, "ratios": ratios, "n": images.n}, args.json)
+    emit(text, {"rates": rates, "cpu_us": cpu, "ratios": ratios, "cpu_ratios": cpu_ratios, "n": images.n},
+         args.json)
 
 
 if __name__ == "__main__":

@@ -132,3 +132,15 @@ def test_new_weights_at_a_resume_read_nothing_of_the_current_passes_twice(arrow_
     assert reread == 0
     arrow_share = np.mean([i < 200 for i in after[BATCH * 20:]])
     assert 0.85 < arrow_share < 0.95  # the new weights hold
+
+
+def test_stats_give_each_sources_samples_and_read_time(arrow_dataset):
+    loader = make_loader(arrow_dataset.path, num_workers=2)
+    read = [i for b in loader for i in b["__index__"].tolist()]
+    stats = loader.stats()
+    loader.close()
+    assert stats["source.arrow.samples"] == sum(i < 200 for i in read) > 0
+    assert stats["source.squares.samples"] == sum(i >= 200 for i in read) > 0
+    assert stats["source.arrow.read_seconds_total"] > 0 and stats["source.squares.read_seconds_total"] > 0
+    assert stats["source.arrow.shard_wait_seconds_total"] >= 0
+    assert stats["source.arrow.bytes_downloaded"] == 0  # a local source downloads nothing

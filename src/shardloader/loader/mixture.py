@@ -28,6 +28,7 @@ once, the others drawn by their weights meanwhile).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,9 +37,12 @@ import numpy as np
 
 from shardloader.loader.failures import SampleFailed
 from shardloader.loader.mapstyle import as_loader_dataset
-from shardloader.loader.protocol import KeyedReads, LoaderDataset
+from shardloader.loader.protocol import KeyedReads, LoaderDataset, ReadsBySource
 from shardloader.order.mixture import MixtureOrder, pass_length
 from shardloader.source.protocol import SOURCE_COUNTERS, ShardSource
+
+#: What `Mixture.by_source()` counts per source.
+SOURCE_FIGURES = ("samples", "read_seconds", "shard_wait_seconds", "bytes_downloaded")
 
 
 @dataclass(frozen=True)
@@ -127,7 +131,7 @@ class CombinedShardSource(ShardSource):
         return total
 
 
-class Mixture(LoaderDataset, KeyedReads):
+class Mixture(LoaderDataset, KeyedReads, ReadsBySource):
     """Named sources drawn by weight: a map-style dataset over their concatenation that
     carries its own order (see the module docstring)."""
 
@@ -157,6 +161,8 @@ class Mixture(LoaderDataset, KeyedReads):
         self.keyed_reads = any(isinstance(r, KeyedReads) and r.keyed_reads for r in self.readers)
         self.epoch_length = self._epoch_length(epoch)
         self.epoch = epoch
+        #: This process's running figures per source (`by_source`).
+        self._figures = {name: dict.fromkeys(SOURCE_FIGURES, 0.0) for name in self.names}
 
     def _epoch_length(self, epoch: int | str | None) -> int:
         if epoch is None:
@@ -211,6 +217,9 @@ class Mixture(LoaderDataset, KeyedReads):
             positions = np.flatnonzero(which == i)
             local = samples[positions] - self.offsets[i]
             reader = self.readers[i]
+            source = reader.source
+            counted = source.counters()["bytes_downloaded"] if source.counts_reads else 0
+            waited, start = reader.shard_wait_seconds(), time.perf_counter()
             try:
                 if keys is not None and lock is not None and isinstance(reader, KeyedReads) and reader.keyed_reads:
                     records = reader.read_keyed(local, keys[positions].tolist(), lock)
@@ -219,6 +228,12 @@ class Mixture(LoaderDataset, KeyedReads):
             except SampleFailed as e:  # name the mixture's sample, not the source's
                 sample = None if e.sample is None else int(e.sample + self.offsets[i])
                 raise SampleFailed(e.error, sample) from None
+            figures = self._figures[self.names[i]]
+            figures["samples"] += positions.size
+            figures["read_seconds"] += time.perf_counter() - start
+            figures["shard_wait_seconds"] += reader.shard_wait_seconds() - waited
+            if source.counts_reads:
+                figures["bytes_downloaded"] += source.counters()["bytes_downloaded"] - counted
             transform = self.transforms[i]
             for pos, record in zip(positions.tolist(), records, strict=True):
                 if transform is not None:
@@ -235,13 +250,12 @@ class Mixture(LoaderDataset, KeyedReads):
     def shard_wait_seconds(self) -> float:
         return float(sum(r.shard_wait_seconds() for r in self.readers))
 
-    def shard_wait_by_source(self) -> dict[str, float]:
-        """Seconds this thread has waited for each source's shard files so far."""
-        return {n: r.shard_wait_seconds() for n, r in zip(self.names, self.readers, strict=True)}
-
-    def counters_by_source(self) -> dict[str, dict[str, float]]:
-        """This process's cache counters of each source (bytes downloaded, hits, misses...)."""
-        return {n: r.source.counters() for n, r in zip(self.names, self.readers, strict=True)}
+    def by_source(self) -> dict[str, dict[str, float]]:
+        """This process's figures per source since it started (`ReadsBySource`): samples read,
+        seconds reading them (the source's `get_many`, shard wait included), seconds waiting
+        for its shard files, bytes its reads downloaded. The Loader reports them per batch and
+        sums them in `stats()` as `source.<name>.<figure>`."""
+        return {name: dict(figures) for name, figures in self._figures.items()}
 
     def check_capacity(self, *, num_workers: int) -> None:
         for reader in self.readers:

@@ -58,6 +58,13 @@ def draws_before_time(w: np.ndarray, t: np.ndarray) -> np.ndarray:
         k = k - down + up
 
 
+#: Position sets at least this large, spanning at most `_DENSE_SPAN` times their size, are
+#: computed as one contiguous stretch (`_dense`): the Loader asks for blocks of 64 steps, and
+#: one sort of the stretch's draws costs a fraction of a sort per position (4,096 positions of
+#: two sources: 0.6 ms against 6.5 ms on this project's 2-core machine).
+_DENSE_MIN, _DENSE_SPAN = 64, 4
+
+
 def interleave(weights: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """For each position q: (draws of each source before q, shape (P, S); the source drawn
     at q, shape (P,)). `weights` need not be normalised; a zero weight is never drawn."""
@@ -65,6 +72,39 @@ def interleave(weights: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, 
     q = np.asarray(positions, dtype=np.int64).ravel()
     if q.size and q.min() < 0:
         raise ValueError("interleave: positions must be >= 0")
+    if q.size >= _DENSE_MIN and q.max() - q.min() < _DENSE_SPAN * q.size:
+        dense = _dense(w_all, int(q.min()), int(q.max()) + 1)
+        if dense is not None:
+            counts, source = dense
+            return counts[q - q.min()], source[q - q.min()]
+    return _windowed(w_all, q)
+
+
+def _dense(w_all: np.ndarray, start: int, stop: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """`interleave` of every position in [start, stop): the draws before `start` counted
+    (`_windowed`), then the stretch's draws sorted once. None if the draws taken per source
+    fell short (then the caller computes position by position)."""
+    before, _ = _windowed(w_all, np.array([start], dtype=np.int64))
+    active = np.flatnonzero(w_all > 0)
+    w = w_all[active]
+    span = np.ceil((stop - start) * w).astype(np.int64) + 2
+    col_source = np.repeat(np.arange(active.size), span)  # in source order: ties go to the first
+    col_k = np.concatenate([np.arange(n) for n in span.tolist()])
+    first = before[0, active]
+    times = event_time(first[col_source] + col_k, w[col_source])
+    order = np.argsort(times, kind="stable")[:stop - start]
+    if times[order[-1]] >= event_time(first + span, w).min():
+        return None
+    drawn = col_source[order]
+    onehot = drawn[:, None] == np.arange(active.size)[None, :]
+    counts = np.zeros((stop - start, w_all.size), dtype=np.int64)
+    counts[1:, active] = np.cumsum(onehot[:-1], axis=0)
+    counts += before[0][None, :]
+    return counts, active[drawn]
+
+
+def _windowed(w_all: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`interleave` position by position (each its own window of draws)."""
     active = np.flatnonzero(w_all > 0)
     w = w_all[active]
     s = active.size

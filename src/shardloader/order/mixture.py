@@ -106,6 +106,7 @@ class MixtureOrder:
         self.fingerprint = f"mixture-order v{MIXTURE_ORDER_VERSION} [{identity}]"
         self.segments = [Segment(0, 0, dict(self.weights), dict.fromkeys(self.names, 0), self.length)]
         self._index = {name: i for i, name in enumerate(self.names)}
+        self._name_keys = [name_key(name) for name in self.names]
 
     def __len__(self) -> int:
         return self.length
@@ -124,8 +125,11 @@ class MixtureOrder:
             n = int(self.sizes[i])
             passes, at = np.divmod(draw[mine], n)
             if self.shuffle:
-                base = derive_key(seed, TAG_MIXTURE, name_key(self.names[i]))
-                at = feistel_permute(at, n, derive_keys(base, passes.astype(np.uint64)))
+                base = derive_key(seed, TAG_MIXTURE, self._name_keys[i])
+                for number in np.unique(passes).tolist():  # one key per pass (a block holds one or two)
+                    same = passes == number
+                    key = derive_keys(base, np.array([number], dtype=np.uint64))[0]
+                    at[same] = feistel_permute(at[same], n, key)
             local[mine] = at
         return (self.offsets[source] + local).reshape(positions.shape)
 
