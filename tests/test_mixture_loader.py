@@ -144,3 +144,35 @@ def test_stats_give_each_sources_samples_and_read_time(arrow_dataset):
     assert stats["source.arrow.read_seconds_total"] > 0 and stats["source.squares.read_seconds_total"] > 0
     assert stats["source.arrow.shard_wait_seconds_total"] >= 0
     assert stats["source.arrow.bytes_downloaded"] == 0  # a local source downloads nothing
+
+
+def test_a_source_added_at_a_resume_starts_its_pass_and_the_others_continue(arrow_dataset):
+    import warnings
+
+    import shardloader
+    from tests.mixture_train import Squares, square_fields
+
+    first = make_loader(arrow_dataset.path, weights=(0.5, 0.5))
+    read = [i for _, b in zip(range(5), first) for i in b["__index__"].tolist()]
+    state = plain_state(first.state_dict())
+    first.close()
+    mix = shardloader.Mixture({
+        "arrow": shardloader.MixtureSource(shardloader.Dataset(arrow_dataset.path), 0.4, first.dataset.transforms[0]),
+        "squares": shardloader.MixtureSource(Squares(37), 0.4, square_fields),
+        "extra": shardloader.MixtureSource(Squares(11), 0.2, square_fields),
+    }, epoch=240)
+    resumed = shardloader.Loader(mix, batch_size=BATCH, shuffle=True, seed=5, tail="pad",
+                                 transform=first.transform)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.load_state_dict(state, strict=False)  # the sources changed: so does the fingerprint
+    assert any("index" in str(w.message) for w in caught)
+    after = [i for b in resumed for i in b["__index__"].tolist()]
+    resumed.close()
+    in_pass = state["sampler"]["sources"]["squares"]["in_pass"]
+    squares_before = [i for i in read if 200 <= i < 237]
+    this_pass = squares_before[len(squares_before) - in_pass:] if in_pass else []
+    squares_after = [i for i in after if 200 <= i < 237][:37 - in_pass]
+    assert not set(this_pass) & set(squares_after)
+    extra = [i - 237 for i in after if i >= 237]
+    assert sorted(extra[:11]) == list(range(11))  # the new source's first pass, whole
