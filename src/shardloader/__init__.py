@@ -17,9 +17,13 @@ if TYPE_CHECKING:
     from shardloader.loader import Loader
     from shardloader.loader.mixture import Mixture, MixtureSource
     from shardloader.loader.node import LoaderNode
+    from shardloader.order.grouped import GroupedBatchSampler
+    from shardloader.order.weighted import WeightedSampler
 
 _EXPORTS = {
     "Dataset": "shardloader.dataset.sharded",
+    "GroupedBatchSampler": "shardloader.order.grouped",
+    "WeightedSampler": "shardloader.order.weighted",
     "Loader": "shardloader.loader",
     "LoaderNode": "shardloader.loader.node",
     "Mixture": "shardloader.loader.mixture",
@@ -27,7 +31,8 @@ _EXPORTS = {
     "write_shards": "shardloader.ingest.writer",
 }
 
-__all__ = ["Dataset", "Loader", "LoaderNode", "Mixture", "MixtureSource", "__version__", "write_shards"]
+__all__ = ["Dataset", "GroupedBatchSampler", "Loader", "LoaderNode", "Mixture", "MixtureSource", "WeightedSampler",
+           "__version__", "write_shards"]
 
 
 def __getattr__(name: str) -> Any:

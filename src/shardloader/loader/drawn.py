@@ -14,7 +14,7 @@ inside the tasks. How a resume finds its place again (docs/samplers.md):
   sampler and the cost. Exact when the sampler's order depends only on its epoch.
 
 Each iteration calls the sampler's `set_epoch(epoch)` first when it has one (the cursor's
-epoch), so a DistributedSampler needs no call of its own. Under world size > 1 the sampler is
+epoch; also a batch sampler's `.sampler`'s), so a DistributedSampler needs no call of its own. Under world size > 1 the sampler is
 this rank's (DataLoader's semantics: a DistributedSampler yields this rank's share): its
 batches are not split again.
 """
@@ -61,7 +61,7 @@ class DrawnPlan:
     looks_ahead = False  # indices exist only once drawn: no prefetch along them, no workers' plan
 
     def __init__(self, source: Any, *, batch_size: int | None, drop_last: bool) -> None:
-        self.source = source
+        self.sampler = source
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.stateful = isinstance(source, Stateful)
@@ -76,7 +76,7 @@ class DrawnPlan:
     def global_steps(self) -> int:
         """Steps per epoch (this rank's batches; every rank has as many), or UNKNOWN_STEPS."""
         try:
-            size = len(self.source)
+            size = len(self.sampler)
         except TypeError:
             return UNKNOWN_STEPS
         if self.batch_size is None:
@@ -87,7 +87,7 @@ class DrawnPlan:
         """len(loader): DataLoader's TypeError when the sampler has no len()."""
         steps = self.global_steps
         if steps == UNKNOWN_STEPS:
-            raise TypeError(f"the sampler {describe(self.source)} has no len(), so neither has "
+            raise TypeError(f"the sampler {describe(self.sampler)} has no len(), so neither has "
                             f"this Loader (as DataLoader)")
         return steps
 
@@ -110,18 +110,20 @@ class DrawnPlan:
     def begin(self, epoch: int, first_step: int) -> None:
         """An iteration over `epoch` begins at `first_step`: set the sampler's epoch, load a
         restored state, iter() it, and fast-forward to `first_step` where no state says where."""
-        if isinstance(self.source, SetsEpoch):
-            self.source.set_epoch(epoch)
+        inner = getattr(self.sampler, "sampler", None)  # a BatchSampler's (Lightning sets both)
+        for sampler in (self.sampler, inner):
+            if isinstance(sampler, SetsEpoch):
+                sampler.set_epoch(epoch)
         pending, self._pending = self._pending, None
         loaded = pending is not None and pending[2] is not None
         if loaded:
-            self.source.load_state_dict(copy.deepcopy(pending[2]))
+            self.sampler.load_state_dict(copy.deepcopy(pending[2]))
         self._drawn.clear()
         self._at = (epoch, first_step)
         if first_step >= self.global_steps:
             self._iterator = iter(())  # an epoch at its end: nothing to draw
             return
-        self._iterator = iter(self.source)
+        self._iterator = iter(self.sampler)
         if first_step and not (loaded and (pending[0], pending[1]) == (epoch, first_step)):
             self._fast_forward(epoch, first_step)
 
@@ -129,7 +131,7 @@ class DrawnPlan:
         skip = step if self.batch_size is None else step * self.batch_size
         unit = "batches" if self.batch_size is None else "indices"
         warnings.warn(
-            f"resuming sampler {describe(self.source)} at epoch {epoch}, step {step} by fast-forward: "
+            f"resuming sampler {describe(self.sampler)} at epoch {epoch}, step {step} by fast-forward: "
             f"it has no state_dict()/load_state_dict() and is no PureSampler, so the Loader draws "
             f"and drops the {skip} {unit} before that step (O(position): the cost grows with the "
             f"position), which is exact only if its order depends on nothing but set_epoch(). For "
@@ -156,7 +158,7 @@ class DrawnPlan:
             self._iterator = iter(())
             return None
         samples = np.asarray([int(i) for i in items], dtype=np.int64)
-        state = copy.deepcopy(self.source.state_dict()) if self.stateful else None
+        state = copy.deepcopy(self.sampler.state_dict()) if self.stateful else None
         self._drawn[(epoch, step)] = (samples, state)
         while len(self._drawn) > _KEPT:
             self._drawn.pop(next(iter(self._drawn)))
@@ -172,7 +174,7 @@ class DrawnPlan:
         return entry[0].copy()
 
     def order(self, epoch: int) -> Any:
-        raise TypeError(f"the order of sampler {describe(self.source)} exists only as it is drawn: "
+        raise TypeError(f"the order of sampler {describe(self.sampler)} exists only as it is drawn: "
                         f"there is no epoch order to compute")
 
     def tail_report(self) -> dict[str, int]:

@@ -95,11 +95,13 @@ class Loader(Generic[T_co]):
     `dataset` is a `shardloader.Dataset` or any map-style dataset (`__len__` + `__getitem__`,
     e.g. a torch `Dataset`; see `shardloader.loader.mapstyle`). Arguments, defaults and
     refusals are DataLoader's (`batch_size=1`, `shuffle=False`, `drop_last=False`,
-    `persistent_workers=False`, `prefetch_factor=None`: 2 with workers); DataLoader arguments
-    that would break exact resume (`sampler`, `batch_sampler`, `generator`) are refused with
-    what to use instead. The attributes DataLoader has are there to read (`sampler` and
-    `batch_sampler` describe the Loader's own order and forward `set_epoch`); those the order
-    and state are made from are read-only (`READ_ONLY_ATTRIBUTES`), as DataLoader's are.
+    `persistent_workers=False`, `prefetch_factor=None`: 2 with workers). `sampler=`,
+    `batch_sampler=`, `batch_size=None` and `generator=` (its initial_seed() is the seed when
+    `seed=` is not given) are DataLoader's too, each resumed exactly where it can be
+    (docs/samplers.md; `shardloader.loader.sampling`). The attributes DataLoader has are there
+    to read (without a sampler, `sampler` and `batch_sampler` describe the Loader's own order
+    and forward `set_epoch`); those the order and state are made from are read-only
+    (`READ_ONLY_ATTRIBUTES`), as DataLoader's are.
 
     `batch_size` is per rank; the global batch size is `batch_size * world_size` and is part
     of the fingerprint. `tail` chooses what happens to the last incomplete global batch:
@@ -296,9 +298,9 @@ class Loader(Generic[T_co]):
     @property
     def samples_per_epoch(self) -> int:
         """Samples this rank's batches hold per epoch (padding included)."""
-        if self._order[0] != "own":
-            raise TypeError("samples_per_epoch is the Loader's own order's; with a sampler= or "
-                            "batch_sampler= it is the sampler's to say")
+        if self._order[0] not in ("own", "pure"):
+            raise TypeError("samples_per_epoch counts the Loader's or a PureSampler's order; a "
+                            "batch_sampler= or a sampler drawn as it goes says it itself")
         return sum(self._plan.counts(step)[0] for step in range(self._global_steps))
 
     @property
