@@ -15,7 +15,7 @@ alike. Samples/s and CPU per sample (this process and its workers) are medians o
 ratios are medians of per-round ratios (goal: >= 0.97). On a loaded machine the wall-time
 ratio swings with other processes' load; the CPU ratio is the steadier figure of the two.
 
-    .venv/bin/python -m benchmarks.mixture [--n 6000] [--rounds 5] [--json out.json]
+    .venv/bin/python -m benchmarks.mixture [--n 6000] [--rounds 5] [--workers 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -58,12 +58,13 @@ def prepare_halves(images: ImageSet) -> tuple[str, str]:
     return paths[0], paths[1]
 
 
-def loaders(images: ImageSet) -> dict[str, Any]:
+def loaders(images: ImageSet, workers: int = WORKERS) -> dict[str, Any]:
     from shardloader import Dataset, Loader, Mixture
     from shardloader.transforms import DecodeCropFlip
 
     a, b = prepare_halves(images)
-    common = dict(batch_size=BATCH, num_workers=WORKERS, shuffle=True, seed=0, persistent_workers=True)
+    common = dict(batch_size=BATCH, num_workers=workers, shuffle=True, seed=0,
+                  persistent_workers=workers > 0)
     return {
         "single": Loader(Dataset(images.arrow_dir), transform=DecodeCropFlip(SIZE), **common),
         "mixture": Loader(Mixture({"a": (Dataset(a), 0.5), "b": (Dataset(b), 0.5)}),
@@ -84,10 +85,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=6000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=WORKERS,
+                        help="0: everything in this process (CPU per sample is then the steadiest figure)")
     parser.add_argument("--json")
     args = parser.parse_args()
     images = prepare_images(args.n)
-    built = loaders(images)
+    built = loaders(images, args.workers)
     for loader in built.values():  # warm-up: workers started, shards in the page cache
         epoch_rate(loader)
     rates: dict[str, list[float]] = {name: [] for name in built}
@@ -105,7 +108,7 @@ def main() -> None:
     rows = [[name, f"{median(r):,.0f}", spread(r), f"{median(cpu[name]):,.0f}"] for name, r in rates.items()]
     text = "\n".join([
         f"Two-source Mixture vs the single-dataset shuffle, {images.n} images, batch {BATCH}, "
-        f"{WORKERS} process workers, DecodeCropFlip({SIZE}); {args.rounds} rounds",
+        f"{args.workers} process workers, DecodeCropFlip({SIZE}); {args.rounds} rounds",
         f"machine: {machine()}; load: {load_average()}; pid {os.getpid()}",
         table(["loader", "samples/s (median)", "range", "CPU us/sample (median)"], rows),
         f"mixture / single, samples/s: {median(ratios):.3f} (median of per-round ratios; range "
