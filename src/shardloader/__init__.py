@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from shardloader.dataset.sharded import Dataset
     from shardloader.ingest.writer import write_shards
     from shardloader.loader import Loader
+    from shardloader.loader.mixture import Mixture, MixtureSource
     from shardloader.loader.node import LoaderNode
     from shardloader.order.grouped import GroupedBatchSampler
     from shardloader.order.weighted import WeightedSampler
@@ -25,11 +26,13 @@ _EXPORTS = {
     "WeightedSampler": "shardloader.order.weighted",
     "Loader": "shardloader.loader",
     "LoaderNode": "shardloader.loader.node",
+    "Mixture": "shardloader.loader.mixture",
+    "MixtureSource": "shardloader.loader.mixture",
     "write_shards": "shardloader.ingest.writer",
 }
 
-__all__ = ["Dataset", "GroupedBatchSampler", "Loader", "LoaderNode", "WeightedSampler", "__version__",
-           "write_shards"]
+__all__ = ["Dataset", "GroupedBatchSampler", "Loader", "LoaderNode", "Mixture", "MixtureSource", "WeightedSampler",
+           "__version__", "write_shards"]
 
 
 def __getattr__(name: str) -> Any:

@@ -22,7 +22,7 @@ import torch
 
 from shardloader.loader.collate import Allocate, BatchBuilder, collate
 from shardloader.loader.failures import SampleFailed
-from shardloader.loader.protocol import KeyedReads, LoaderDataset, stateful_part
+from shardloader.loader.protocol import KeyedReads, LoaderDataset, ReadsBySource, stateful_part
 from shardloader.order.global_rngs import LazyGlobalRngScope
 from shardloader.order.seeding import sample_keys
 from shardloader.runtime.startup import paused_gc
@@ -62,9 +62,25 @@ class BatchTimings:
 
     figures: dict[str, float] = field(default_factory=worker_figures)
     extra: dict[str, float] = field(default_factory=dict)
+    #: A dataset of named sources (`protocol.ReadsBySource`): what reading this batch cost per
+    #: source ({name: {figure: amount}}), summed by `Loader.stats()`. None for other datasets.
+    by_source: dict[str, dict[str, float]] | None = None
     #: A dataset with a state (`protocol.Stateful`): its `state_dict()` right after this batch
     #: was made, in the process that made it (the Loader saves the last delivered batch's).
     dataset_state: Any = None
+
+
+def source_delta(before: dict[str, dict[str, float]],
+                 after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per source, the figures gained between two `ReadsBySource.by_source()` readings (the
+    sources a batch did not read left out)."""
+    out = {}
+    for name, now in after.items():
+        was = before.get(name, {})
+        gained = {figure: value - was.get(figure, 0) for figure, value in now.items()}
+        if any(gained.values()):
+            out[name] = gained
+    return out
 
 
 def uses_global_rng(transform: Transform | None) -> bool:
@@ -99,6 +115,7 @@ class BatchProducer:
         #: The global RNGs this process has seen the transform draw from (seeded per sample).
         self._globals_in_use: set[str] = set()
         self._direct = direct_batch_transform(transform, self.collate_fn)
+        self._reads_by_source = isinstance(dataset, ReadsBySource)  # a Mixture: figures per source
         #: What holds the dataset's own state (a user's dataset with state_dict), or None.
         self._stateful = stateful_part(dataset)
 
@@ -129,6 +146,7 @@ class BatchProducer:
         source = self.dataset.source
         before = source.counters() if self.report_cache_counters and source.counts_reads else None
         wait_before = self.dataset.shard_wait_seconds()
+        by_source = self.dataset.by_source() if self._reads_by_source else None
         if self.worker_id is not None:
             worker_id, self.worker_id = self.worker_id, None  # once per process
             if self.worker_init_fn is not None:
@@ -156,6 +174,8 @@ class BatchProducer:
         # measured by this thread alone, so prefetch threads' downloads never inflate it.
         shard_wait = figures["shard_wait_seconds"] = self.dataset.shard_wait_seconds() - wait_before
         figures["read_seconds"] = max(0.0, t1 - t0 - shard_wait)
+        if by_source is not None:
+            timings.by_source = source_delta(by_source, self.dataset.by_source())
         if before is not None:
             after = source.counters()
             figures.update(zip(BATCH_COUNTERS, counter_delta(before, after), strict=True))

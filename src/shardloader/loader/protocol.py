@@ -109,6 +109,16 @@ class LoaderDataset(ShardedDataset, Protocol):
 
 
 @runtime_checkable
+class ReadsBySource(Protocol):
+    """A dataset made of named sources (a `Mixture`): `by_source()` gives this process's
+    running figures per source since it started (`samples`, `read_seconds`,
+    `shard_wait_seconds`, `bytes_downloaded`), which the producer reports per batch as deltas
+    and `Loader.stats()` sums under `source.<name>.<figure>`."""
+
+    def by_source(self) -> dict[str, dict[str, float]]: ...
+
+
+@runtime_checkable
 class KeyedReads(Protocol):
     """A dataset whose reads draw random numbers (`keyed_reads`): the producer then reads with
     `read_keyed`, each sample under global RNGs seeded from its key (invariant I3); `lock`

@@ -73,6 +73,8 @@ class BatchRecorder:
         self._worker_job = (timings.figures.get("bytes_downloaded", 0), timings.extra)
         if stats is None and telemetry is None:
             return
+        if timings.by_source and stats is not None:  # a Mixture's batch: what each source cost
+            stats.add_by_source(timings.by_source)
         values = {
             **timings.figures,
             "step": self.epoch * self.steps + task.step + 1, "epoch": self.epoch,

@@ -72,3 +72,4 @@ TAG_PIECES = 6
 TAG_WRITE = 7  # the order `write_shards(shuffle=True)` writes samples in
 TAG_WEIGHTED = 8  # WeightedSampler's draws
 TAG_GROUPED = 9  # GroupedBatchSampler's shuffles
+TAG_MIXTURE = 10  # a Mixture's per-pass permutations of each source

@@ -58,6 +58,7 @@ def feistel_permute(x: np.ndarray, n: np.ndarray, keys: np.ndarray) -> np.ndarra
 
     Arrays broadcast together. n[i] must be >= 1 and x[i] < n[i].
     """
+    one_key = np.ndim(keys) == 0 and np.ndim(n) == 0  # a whole array under one permutation
     x, n, keys = np.broadcast_arrays(
         np.asarray(x, dtype=np.int64), np.asarray(n, dtype=np.int64), np.asarray(keys, dtype=np.uint64)
     )
@@ -68,7 +69,10 @@ def feistel_permute(x: np.ndarray, n: np.ndarray, keys: np.ndarray) -> np.ndarra
     half = (_domain_bits(n) // 2).astype(np.uint64).ravel()
     y = x.astype(np.uint64).ravel().copy()
     n_f = n.astype(np.uint64).ravel()
-    round_keys = _round_keys(keys.ravel())
+    if one_key:  # the round keys mixed once, not once per element (a mixture's pass)
+        round_keys = [np.broadcast_to(k, y.shape) for k in _round_keys(keys.ravel()[:1])]
+    else:
+        round_keys = _round_keys(keys.ravel())
     # Cycle walking: re-apply the permutation of the power-of-two domain until inside [0, n).
     y = _feistel_rounds(y, half, round_keys)
     todo = np.flatnonzero(y >= n_f)

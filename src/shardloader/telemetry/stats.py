@@ -104,6 +104,8 @@ class StatsAggregator:
             self._recent_fetch = 0.0
             self._recent_samples = 0
             self._slowest: list[tuple[float, int]] = []  # min-heap of (fetch_seconds, step)
+            #: A mixture's figures per source ({name: {figure: sum}}): `add_by_source`.
+            self._by_source: dict[str, dict[str, float]] = {}
 
     # -- the sink interface (on_batch is the hot path) ----------------------------------------
     def on_batch(self, record: BatchRecord) -> None:
@@ -126,6 +128,15 @@ class StatsAggregator:
         this inside next() when no other sink needs a record (a BatchRecord cost ~15 us there).
         `values` holds every field of `BatchRecord` by name."""
         self._add_row(_ROW_OF_VALUES(values))
+
+    def add_by_source(self, figures: Mapping[str, Mapping[str, float]]) -> None:
+        """Add one batch's figures per source of a mixture ({name: {figure: amount}}); the
+        summary reports their sums as `source.<name>.<figure>` (seconds as `<figure>_total`)."""
+        with self._lock:
+            for name, amounts in figures.items():
+                sums = self._by_source.setdefault(name, {})
+                for figure, amount in amounts.items():
+                    sums[figure] = sums.get(figure, 0) + amount
 
     def _add_row(self, row: tuple[Any, ...]) -> None:
         step, time, fetch, samples = row[0], row[1], row[_FETCH], row[_SAMPLES]
@@ -161,7 +172,8 @@ class StatsAggregator:
         cache_misses, bytes_downloaded, ...); fetch_seconds_{mean,p50,p95,p99,max},
         wall_seconds, stall_fraction, samples_per_second, stall_fraction_window,
         samples_per_second_window and, once the cache was consulted, cache_hit_ratio. The stall
-        fraction is time waiting for data / wall time.
+        fraction is time waiting for data / wall time. For a mixture, per source:
+        source.<name>.{samples, read_seconds_total, shard_wait_seconds_total, bytes_downloaded}.
         """
         with self._lock:
             n = self._batches
@@ -193,6 +205,10 @@ class StatsAggregator:
             lookups = out["cache_hits"] + out["cache_misses"]
             if lookups:
                 out["cache_hit_ratio"] = out["cache_hits"] / lookups
+            for name, sums in self._by_source.items():
+                for figure, total in sums.items():
+                    key = f"{figure}_total" if figure.endswith("_seconds") else figure
+                    out[f"source.{name}.{key}"] = total
             return out
 
     def slowest(self) -> list[dict[str, Any]]:
