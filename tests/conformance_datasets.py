@@ -10,6 +10,9 @@ fixed and the Loader's can be compared with them byte for byte.
 from __future__ import annotations
 
 import os
+import random
+import signal
+import threading
 from collections import namedtuple
 from collections.abc import Callable
 from pathlib import Path
@@ -190,7 +193,8 @@ class Resizing(Dataset):
 
 class WorkerInfoProbe(Dataset):
     """Each sample says what `get_worker_info()` returned while it was read: None in the main
-    process, else (id, num_workers, seed, the dataset's class name, its `marker`)."""
+    process, else (id, num_workers, seed, the dataset's class name, its `marker`, the pid,
+    and what `mark_worker_copy` noted in this worker's copy, if it ran)."""
 
     def __init__(self, n: int = 8, marker: str = "probe-17") -> None:
         self.n, self.marker = n, marker
@@ -203,7 +207,17 @@ class WorkerInfoProbe(Dataset):
         if info is None:
             return i, None
         return i, (info.id, info.num_workers, info.seed, type(info.dataset).__name__,
-                   getattr(info.dataset, "marker", None), os.getpid())
+                   getattr(info.dataset, "marker", None), os.getpid(),
+                   getattr(info.dataset, "seeds_at_init", None))
+
+
+def mark_worker_copy(worker_id: int) -> None:
+    """A worker_init_fn that changes the worker's copy of a `WorkerInfoProbe`: its `marker`
+    becomes "worker-<id>", and it notes (torch.initial_seed(), whether `random` was seeded
+    with get_worker_info().seed), as DataLoader seeds both before worker_init_fn runs."""
+    info = get_worker_info()
+    info.dataset.marker = f"worker-{worker_id}"
+    info.dataset.seeds_at_init = (torch.initial_seed(), random.random() == random.Random(info.seed).random())
 
 
 def record_worker_init(directory: str, worker_id: int) -> None:
@@ -215,3 +229,57 @@ def record_worker_init(directory: str, worker_id: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(said)
     tmp.rename(path)  # a reader never sees a half-written file
+
+
+# -- a dataset that grows between epochs --------------------------------------------------------
+
+class Growing(Dataset):
+    """`n` samples, each (i, i * i) as a tensor; `n` grows when the test appends
+    (`grow(n)`). It reads any index, as a list read at a new length would: a worker whose copy
+    of the dataset is older still reads the samples the epoch asks for."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def grow(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return torch.tensor([i, i * i])
+
+
+# -- a worker killed by a signal, a worker that never answers -----------------------------------
+
+class KillsItself(Dataset):
+    """Sample i is i, except that a worker reading sample `at` writes its pid to `pid_file` and
+    SIGKILLs itself (in the main process it reads as any other: never kills the test)."""
+
+    def __init__(self, n: int, at: int, pid_file: str) -> None:
+        self.n, self.at, self.pid_file = n, at, pid_file
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.at and get_worker_info() is not None:
+            Path(self.pid_file).write_text(str(os.getpid()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+class Blocks(Dataset):
+    """Sample i is i, except that a worker reading sample `at` waits on an Event never set."""
+
+    def __init__(self, n: int, at: int) -> None:
+        self.n, self.at = n, at
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        if i == self.at and get_worker_info() is not None:
+            threading.Event().wait()
+        return i

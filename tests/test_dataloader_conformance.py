@@ -44,6 +44,7 @@ from torch.utils.data import (
 )
 
 from shardloader import Loader
+from shardloader.errors import StateError
 from tests import conformance_datasets as cds
 from tests.dataloader_alias import KINDS, loader_class, make
 from tests.resume import assert_identical
@@ -580,6 +581,24 @@ def test_get_worker_info_in_a_worker(kind, new):
 
 
 @kinds
+@pytest.mark.parametrize("persistent", [False, True])
+def test_worker_init_fn_sees_the_workers_seed_and_changes_what_it_reads(kind, persistent, new):
+    """DataLoader's documented worker contract: before worker_init_fn runs, torch's and
+    `random`'s generators are seeded with get_worker_info().seed (torch.initial_seed() equals
+    it); what worker_init_fn does to get_worker_info().dataset (that worker's copy) is what that
+    worker then reads from; the main process's dataset is untouched. Over two epochs."""
+    dataset = cds.WorkerInfoProbe(n=8)
+    loader = new(kind, dataset, batch_size=2, num_workers=2, collate_fn=cds.as_list,
+                 worker_init_fn=cds.mark_worker_copy, persistent_workers=persistent)
+    for epoch in range(2):
+        infos = [info for batch in loader for _, info in batch]
+        assert len(infos) == 8 and {info[0] for info in infos} == {0, 1}, infos
+        assert all(info[4] == f"worker-{info[0]}" for info in infos), f"epoch {epoch}: {infos}"
+        assert all(info[6] == (info[2], True) for info in infos), f"epoch {epoch}: {infos}"
+    assert dataset.marker == "probe-17" and not hasattr(dataset, "seeds_at_init")
+
+
+@kinds
 def test_get_worker_info_is_none_in_the_main_process(kind, new):
     loader = new(kind, cds.WorkerInfoProbe(n=4), batch_size=2, collate_fn=cds.as_list)
     assert [s for batch in loader for s in batch] == [(i, None) for i in range(4)]
@@ -630,6 +649,102 @@ def test_loader_refuses_a_length_change_during_an_epoch(new_n, how, new):
     assert re.search(r"\b10\b", text) and re.search(rf"\b{new_n}\b", text), (
         f"the dataset {how} from 10 to {new_n}; the error does not name both lengths: "
         f"{type(raised.value).__name__}: {text}")
+
+
+GROWTH_OPTIONS = {"inline": {}, "workers": {"num_workers": 2},
+                  "persistent": {"num_workers": 2, "persistent_workers": True}}
+
+
+@kinds
+@pytest.mark.parametrize("options", list(GROWTH_OPTIONS))
+def test_a_dataset_that_grows_between_epochs_is_read_at_its_new_length(kind, options, new):
+    """Each epoch takes len(dataset) when it starts: 10 samples, then 13 after the dataset
+    grew between the epochs (with persistent workers too: the Loader restarts them)."""
+    dataset = cds.Growing(10)
+    loader = new(kind, dataset, batch_size=3, **GROWTH_OPTIONS[options])
+    first = [batch.tolist() for batch in loader]
+    dataset.grow(13)
+    second = [batch.tolist() for batch in loader]
+    expected = [[[[i, i * i] for i in range(k, min(k + 3, n))] for k in range(0, n, 3)] for n in (10, 13)]
+    assert [first, second] == expected
+    assert len(loader) == 5
+
+
+def _indices(batches: list[Any]) -> list[int]:
+    return [int(row[0]) for batch in batches for row in batch]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_resume_after_growth_finishes_the_saved_epoch_then_takes_the_new_length(num_workers, new):
+    """Loader only (DataLoader has no state): a state saved mid-epoch on 10 samples, loaded into
+    a Loader of the dataset grown to 13, finishes that epoch exactly as the uninterrupted run
+    did (its 10 samples' shuffle), then reads the next epoch at 13, as that run did after the
+    dataset grew between its epochs."""
+    options = dict(batch_size=3, shuffle=True, seed=5, num_workers=num_workers)
+    dataset = cds.Growing(10)
+    uninterrupted = new("loader", dataset, **options)
+    epoch0 = list(uninterrupted)
+    dataset.grow(13)
+    epoch1 = list(uninterrupted)
+    assert sorted(_indices(epoch0)) == list(range(10)) and sorted(_indices(epoch1)) == list(range(13))
+    first = new("loader", cds.Growing(10), **options)
+    iterator = iter(first)
+    head = [next(iterator), next(iterator)]
+    state = first.state_dict()
+    assert state["length"] == 10
+    first.close()
+    resumed = new("loader", cds.Growing(13), **options)
+    resumed.load_state_dict(state)
+    assert_identical(head + list(resumed), epoch0, "the saved epoch, finished after the growth")
+    assert_identical(list(resumed), epoch1, "the next epoch, at the new length")
+    assert resumed.state_dict()["length"] == 13
+
+
+def test_a_resume_onto_a_dataset_that_shrank_names_both_lengths(new):
+    """A dataset with fewer samples than the saved epoch was made with cannot finish it."""
+    loader = new("loader", cds.Growing(10), batch_size=3, shuffle=True)
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    with pytest.raises(StateError, match=r"made with 10 samples, and the dataset now has 8"):
+        new("loader", cds.Growing(8), batch_size=3, shuffle=True).load_state_dict(state)
+
+
+# -- a worker killed by a signal, timeout= ------------------------------------------------------
+
+@kinds
+def test_a_worker_killed_by_a_signal_is_a_runtime_error_naming_it(kind, tmp_path, new):
+    """A worker SIGKILLed while reading sample 5 (batch 2, worker 0 of 2): next() raises a
+    RuntimeError whose first line names the worker's pid (DataLoader: "DataLoader worker
+    (pid(s) N) exited unexpectedly"); the Loader's also names the worker, the signal and the
+    batch."""
+    pid_file = tmp_path / "pid"
+    loader = new(kind, cds.KillsItself(8, at=5, pid_file=str(pid_file)), batch_size=2, num_workers=2)
+    with pytest.raises(RuntimeError) as raised:
+        list(loader)
+    first = str(raised.value).splitlines()[0]
+    pid = int(pid_file.read_text())
+    if kind == "dataloader":
+        assert f"DataLoader worker (pid(s) {pid}) exited unexpectedly" in first, first
+    else:
+        assert re.match(rf"worker 0 \(pid {pid}\) exited unexpectedly, killed by signal SIGKILL, "
+                        rf"while reading batch 2 of epoch 0\b", first), first
+
+
+@kinds
+def test_timeout_is_a_runtime_error_naming_it(kind, new):
+    """A worker blocked for good on its first sample, timeout=1: next() raises a RuntimeError
+    (DataLoader: "DataLoader timed out after 1 seconds"); the Loader's names the batch, the
+    worker and its pid too."""
+    loader = new(kind, cds.Blocks(4, at=0), batch_size=2, num_workers=1, timeout=1)
+    with pytest.raises(RuntimeError) as raised:
+        next(iter(loader))
+    first = str(raised.value).splitlines()[0]
+    if kind == "dataloader":
+        assert first.startswith("DataLoader timed out after 1 seconds"), first
+    else:
+        assert re.match(r"Loader timed out after 1 seconds waiting for batch 0 of epoch 0 from "
+                        r"worker 0 \(pid \d+", first), first
 
 
 # -- iterators and prefetch_factor=0: where the Loader differs, it says so ----------------------

@@ -47,8 +47,9 @@ class CacheDiskError(ShardloaderError):
     the filesystem's free space."""
 
 
-class WorkerError(ShardloaderError):
-    """A worker process died or raised while producing a batch."""
+class WorkerError(ShardloaderError, RuntimeError):
+    """A worker process died, timed out (`timeout=`) or raised while producing a batch: a
+    RuntimeError, as DataLoader's errors for the same events are."""
 
 
 class CheckpointError(ShardloaderError):

@@ -87,6 +87,14 @@ class Cursor:
         self.restored = False
 
 
+def check_position(cursor: Cursor, position: int) -> None:
+    """A saved position must be a step boundary of the cursor's epoch (or its end)."""
+    length, per_step = cursor.length, cursor.global_batch_size
+    if position > length or position % per_step and position != length:
+        raise StateError(f"loader state position {position} is not a step boundary of an epoch of "
+                         f"{length} positions with global batch size {per_step}")
+
+
 def check_move(cursor: Cursor, epoch: int) -> None:
     """Refuse a `set_epoch(epoch)` that would replay data, or skip data of a restored
     cursor (StateError saying which loop to write; see `Loader.set_epoch`)."""

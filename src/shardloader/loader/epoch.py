@@ -46,8 +46,12 @@ class EpochIterator:
 
     def __init__(self, owner: object, cursor: Cursor, plan: StepPlan, dataset: LoaderDataset,
                  workers: PoolKeeper, *, steps: int, length: Callable[[], int], pin_memory: bool, rank: int,
-                 stats: Any, telemetry: Any) -> None:
+                 stats: Any, telemetry: Any,
+                 follow_length: Callable[[bool], tuple[StepPlan, int, Callable[[], int]]] | None = None) -> None:
         self.owner = owner
+        #: Asked as the iteration starts (from its epoch's start or not): the plan, steps and
+        #: length for the dataset's length then (`shardloader.loader.growth`).
+        self.follow_length = follow_length
         self.cursor = cursor
         self.plan = plan
         self.dataset = dataset
@@ -72,6 +76,8 @@ class EpochIterator:
     def _start(self) -> None:
         self.started = True
         self.cursor.start_iteration()
+        if self.follow_length is not None:  # an epoch from its start takes len(dataset) now
+            self.plan, self.steps, self.length = self.follow_length(self.cursor.position == 0)
         self.dataset.check_length()
         self.epoch = self.cursor.epoch
         first_step = self.cursor.next_step  # the end: steps

@@ -17,6 +17,7 @@ iterator (`epoch.py`) with its shard I/O (`prefetch_policy.py`) and per-batch te
 from __future__ import annotations
 
 import atexit
+import functools
 import multiprocessing.util  # noqa: F401 - registers its exit handler before ours (see below)
 import numbers
 import time
@@ -42,9 +43,10 @@ from shardloader.loader.compat import (
     warn_if_no_batches,
     warn_worker_count,
 )
-from shardloader.loader.cursor import check_move
+from shardloader.loader.cursor import check_move, check_position
 from shardloader.loader.dataset_state import restore_dataset_state, saved_dataset_state
 from shardloader.loader.epoch import EpochIterator, warm_first_batch
+from shardloader.loader.growth import follow_length, resume_length, saved_length
 from shardloader.loader.iterable_kind import loader_class
 from shardloader.loader.mapstyle import (
     MAP_STYLE_PARTITIONS,
@@ -375,25 +377,21 @@ class Loader(Generic[T_co]):
         cursor = self._cursor
         return make_state(cursor.epoch, cursor.position, self.fingerprint(),
                           sampler=saved_order_state(*self._order, self._plan, cursor),
-                          dataset=saved_dataset_state(self._data, cursor))
+                          dataset=saved_dataset_state(self._data, cursor), length=saved_length(self._data))
 
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
         """Resume at `state`'s cursor. Raises StateError when the fingerprint differs, unless
         `strict=False` (then it warns and resumes at the saved position anyway)."""
         state = validate_state(state)
+        resume_length(self, state)  # a map-style dataset: the saved epoch's length (growth.py)
         differences = fingerprint_differences(state["fingerprint"], self.fingerprint())
         if differences:
             message = "loader state does not match this loader: " + "; ".join(differences)
             if strict:
                 raise StateError(message + " (pass strict=False to resume anyway)")
             warnings.warn(message, stacklevel=2)
-        length = self._cursor.length
-        position = state["position"]
-        if position > length or position % self.global_batch_size and position != length:
-            raise StateError(
-                f"loader state position {position} is not a step boundary of an epoch of "
-                f"{length} positions with global batch size {self.global_batch_size}"
-            )
+        length, position = self._cursor.length, state["position"]
+        check_position(self._cursor, position)
         self._cursor.restore(state["epoch"], position)
         load_order_state(*self._order, self._plan, state.get("sampler"), state["epoch"], position,
                          self._cursor.next_step)
@@ -414,7 +412,8 @@ class Loader(Generic[T_co]):
         iterator = EpochIterator(self, self._cursor, self._plan, self._data, self._workers,
                                  steps=self._global_steps, length=self._plan.rank_batches, rank=self.rank,
                                  pin_memory=pins(self.pin_memory),
-                                 stats=self._stats, telemetry=self.telemetry)
+                                 stats=self._stats, telemetry=self.telemetry,
+                                 follow_length=functools.partial(follow_length, self))
         self._active = weakref.ref(iterator)
         return iterator
 

@@ -134,22 +134,36 @@ class MapStyleDataset(LoaderDataset, KeyedReads):
         self.state_holder: Stateful | None = dataset if isinstance(dataset, Stateful) else None
         # The producer reads through `read_keyed` unless the dataset draws no random numbers.
         self.keyed_reads = bool(dataset.uses_global_rng) if isinstance(dataset, _DeclaresRngUse) else True
-        self.index = _MapStyleIndex(int(length), f"{name} len={int(length)}{_identity(dataset)}")
+        self._identity = _identity(dataset)
+        self.use_length(int(length))
+        #: len(dataset) when the current iteration started: it may not change until its end.
+        self.iteration_length = int(length)
         #: The global RNGs this process has seen `dataset[i]` draw from (seeded per sample).
         self._globals_in_use: set[str] = set()
 
     def __len__(self) -> int:
         return self.index.num_samples
 
+    def use_length(self, length: int) -> None:
+        """Read the dataset as `length` samples: the epoch's length, taken when an epoch starts
+        (or the saved one, to finish a resumed epoch; see `shardloader.loader.growth`)."""
+        self.index = _MapStyleIndex(length, f"{self.name} len={length}{self._identity}")
+
+    def begin_iteration(self) -> int:
+        """An iteration starts: its `len(dataset)`, which `check_length` holds it to."""
+        self.iteration_length = int(len(self.dataset))
+        return self.iteration_length
+
     def check_length(self) -> None:
-        """The dataset still has the length the Loader was made with (see LoaderDataset)."""
+        """The dataset still has the length its iteration started with (see LoaderDataset):
+        between epochs it may change (the next epoch takes it), not during one."""
         length = len(self.dataset)
-        if length != self.index.num_samples:
+        if length != self.iteration_length:
             raise DatasetChangedError(
-                f"{self.name}: the dataset's length changed from {self.index.num_samples} (when "
-                f"the Loader was made) to {length}; a Loader's epochs, order and saved states are "
-                f"those of the length it was made with. Make a new Loader for the new length "
-                f"(a saved state of the old one does not apply to it)"
+                f"{self.name}: the dataset's length changed from {self.iteration_length} to "
+                f"{length} during an epoch; an epoch's order, cursor and saved states are those "
+                f"of the length it started with. Change the dataset between epochs (the next "
+                f"epoch takes the new length, as DataLoader's does)"
             )
 
     def get_many(self, samples: Sequence[int] | np.ndarray) -> list[Any]:

@@ -102,9 +102,10 @@ class LoaderDataset(ShardedDataset, Protocol):
         return None
 
     def check_length(self) -> None:
-        """Raise DatasetChangedError when the data's length is no longer the one the Loader
-        was made with (a list a map-style dataset appends to): the order, the fingerprint and
-        every saved position depend on it. Called as each iteration starts and after each batch."""
+        """Raise DatasetChangedError when the data's length changed during the iteration (a
+        list a map-style dataset appends to): the epoch's order, the fingerprint and every
+        saved position depend on it. Called as each iteration starts and after each batch. (A
+        map-style dataset may change between epochs: see `shardloader.loader.growth`.)"""
         return None
 
 

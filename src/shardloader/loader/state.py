@@ -20,6 +20,9 @@ Optional keys (issue 38; states without them load as before):
     "dataset": {...}    # the dataset's state_dict() (a map-style dataset with a state), as the
                         # process that made the last delivered batch left it
 
+    "length": 10        # a map-style dataset's length in the saved epoch (its len(dataset) when
+                        # the epoch started; the dataset may have grown since)
+
 and the fingerprint's `sampler`: the order's identity (a PureSampler's `fingerprint`, another
 sampler's class and len(); None, implied when absent, for the Loader's own order).
 
@@ -54,7 +57,7 @@ OPTIONAL_STATES = ("sampler", "dataset")
 
 
 def make_state(epoch: int, position: int, fingerprint: dict[str, Any],
-               **optional: dict[str, Any] | None) -> dict[str, Any]:
+               **optional: Any) -> dict[str, Any]:
     """The state dict; `optional`: the OPTIONAL_STATES that are not None."""
     state = {
         "format": STATE_FORMAT,
@@ -85,6 +88,9 @@ def validate_state(state: Any) -> dict[str, Any]:
     missing = [f for f in FINGERPRINT_FIELDS if f not in fingerprint and f not in _IMPLIED]
     if missing:
         raise StateError(f"loader state fingerprint lacks {', '.join(missing)}")
+    length = state.get("length")  # a map-style dataset's epoch length (shardloader.loader.growth)
+    if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 0):
+        raise StateError(f"loader state field 'length' must be a non-negative integer, got {length!r}")
     for key in OPTIONAL_STATES:
         if key in state and not isinstance(state[key], dict):
             raise StateError(f"loader state field {key!r} must be a dict (the {key}'s own "

@@ -94,7 +94,8 @@ class ThreadPool:
         try:
             return future.result(self.timeout)
         except concurrent.futures.TimeoutError:
-            raise WorkerError(f"batch task {task_id} took longer than the {self.timeout} s timeout") from None
+            raise WorkerError(f"Loader timed out after {self.timeout} seconds waiting for batch task "
+                              f"{task_id} from a worker thread (timeout={self.timeout})") from None
         except Exception as e:
             raise WorkerError(f"worker thread failed on batch task {task_id}: {e}") from e
 

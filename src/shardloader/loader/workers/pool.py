@@ -92,6 +92,7 @@ def _worker_main(start: WorkerStart, producer: BatchProducer, tasks: Any, result
         if task is None:
             return
         task = BatchTask(*task)  # sent as a tuple: see `_task_frame`
+        progress.working_on(worker_id, task.task_id)  # named if this worker dies on it
         try:
             batch, timings = producer(task)
             packed = writer.pack(batch)
@@ -186,6 +187,7 @@ class ProcessPool:
         self._workers = []
         self._next_worker = 0
         self._assigned: dict[int, int] = {}  # task id -> worker id
+        self._batches: dict[int, str] = {}  # task id -> "batch s of epoch e", for errors
         self._done: dict[int, tuple[bool, Any]] = {}
         self._cond = threading.Condition()
         self._receiver_error: str | None = None
@@ -246,6 +248,7 @@ class ProcessPool:
         self._next_worker = (worker_id + 1) % len(self._workers)
         with self._cond:
             self._assigned[task.task_id] = worker_id
+            self._batches[task.task_id] = f"batch {task.step} of epoch {task.epoch}"
         message = _task_frame(task)
         if len(message) <= ATOMIC_BYTES:  # one atomic write (see `shardloader.loader.workers.frames`)
             os.write(self._task_queues[worker_id]._writer.fileno(), message)
@@ -289,13 +292,22 @@ class ProcessPool:
         for worker_id, process in enumerate(self._workers):
             if process.exitcode is not None:
                 code = process.exitcode
-                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                how = f"killed by signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
                 during = ("" if self._progress.started(worker_id) else
                           f" while starting ({self._progress.doing(worker_id)})")
                 raise WorkerError(
-                    f"worker {worker_id} (pid {process.pid}) died with {how}{during} while "
-                    f"batch task {task_id} was pending; the loader cannot continue this iteration"
+                    f"worker {worker_id} (pid {process.pid}) exited unexpectedly, {how}{during}, "
+                    f"while reading {self._reading(worker_id)}; the loader cannot continue this "
+                    f"iteration (batch task {task_id} was awaited)"
                 )
+
+    def _reading(self, worker_id: int) -> str:
+        """The batch `worker_id` was producing last (what it died reading), from the task id
+        it wrote to shared memory before beginning it (`StartProgress.working_on`)."""
+        task_id = self._progress.task(worker_id)
+        if task_id == 0:
+            return "no batch yet"
+        return self._batches.get(task_id, f"batch task {task_id}")
 
     def _check_started(self, task_id: int) -> None:
         """A WorkerError for the first worker that has not started by the start-up deadline."""
@@ -335,11 +347,16 @@ class ProcessPool:
                 self._check_alive(task_id)
                 self._check_started(task_id)
                 if deadline is not None and time.monotonic() > deadline:
-                    raise WorkerError(f"batch task {task_id} took longer than the {self.timeout} s "
-                                      f"timeout{self._not_started(self._assigned.get(task_id))}")
+                    worker_id = self._assigned[task_id]
+                    raise WorkerError(
+                        f"Loader timed out after {self.timeout} seconds waiting for "
+                        f"{self._batches.get(task_id, 'a batch')} from worker {worker_id} (pid "
+                        f"{self._workers[worker_id].pid}, batch task {task_id}; timeout="
+                        f"{self.timeout}){self._not_started(worker_id)}")
                 self._cond.wait(_POLL_SECONDS)
             ok, payload = self._done.pop(task_id)
             del self._assigned[task_id]
+            self._batches.pop(task_id, None)
         if not ok:
             raise WorkerError(f"worker process failed on batch task {task_id}: {payload}")
         return payload
@@ -350,6 +367,7 @@ class ProcessPool:
     def discard_pending(self) -> None:
         with self._cond:
             self._assigned.clear()
+            self._batches.clear()
             self._done.clear()
 
     def _connections(self) -> list[Any]:

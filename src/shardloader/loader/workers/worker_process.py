@@ -95,12 +95,14 @@ STARTED = len(START_STEPS)
 
 class StartProgress:
     """Which start-up step each worker is in: one byte per worker in shared memory, written by
-    the worker as it begins a step and read by the pool. The worker's "started" is the byte
+    the worker as it begins a step and read by the pool (and, once started, which task it
+    works on: a dead worker's error names the batch it died on). The worker's "started" is the byte
     reaching `STARTED`; shared memory, not a message, so that the pool can also tell where a
     worker is stuck (a message from a stuck worker never comes)."""
 
     def __init__(self, ctx: Any, num_workers: int) -> None:
         self._steps = ctx.RawArray("b", num_workers)  # zeros: step 0, being started
+        self._tasks = ctx.RawArray("q", num_workers)  # the task id each works on (0: none yet)
         self._method = ctx.get_start_method()
 
     def begin(self, worker_id: int, step: str) -> None:
@@ -110,6 +112,14 @@ class StartProgress:
     def finish(self, worker_id: int) -> None:
         """In the worker: it has started (ready for its first task)."""
         self._steps[worker_id] = STARTED
+
+    def working_on(self, worker_id: int, task_id: int) -> None:
+        """In the worker: it begins producing task `task_id` (named if it dies on it)."""
+        self._tasks[worker_id] = task_id
+
+    def task(self, worker_id: int) -> int:
+        """The task the worker began last (0: none yet)."""
+        return self._tasks[worker_id]
 
     def started(self, worker_id: int) -> bool:
         return self._steps[worker_id] == STARTED
