@@ -101,6 +101,47 @@ class Resumable(Sampler[int]):
         self.rounds, self.yielded = int(state["rounds"]), int(state["yielded"])
 
 
+class IteratorState(Sampler[int]):
+    """torchdata's convention: the state is on the ITERATOR. Each `iter()` draws the next
+    permutation (a counter on the sampler: the order depends on history, so a fast-forward
+    could not find it again); the iterator's `state_dict()` says which permutation and how far,
+    and its `load_state_dict` puts it (and the sampler's counter) there."""
+
+    def __init__(self, n: int = N) -> None:
+        self.n = n
+        self.rounds = 0  # permutations drawn so far
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> _PermutationIterator:
+        self.rounds += 1
+        return _PermutationIterator(self, self.rounds)
+
+
+class _PermutationIterator:
+    """`IteratorState`'s iterator: permutation `round`, `yielded` indices handed out."""
+
+    def __init__(self, sampler: IteratorState, round: int) -> None:
+        self.sampler, self.round, self.yielded = sampler, round, 0
+
+    def __iter__(self) -> _PermutationIterator:
+        return self
+
+    def __next__(self) -> int:
+        if self.yielded >= self.sampler.n:
+            raise StopIteration
+        self.yielded += 1
+        return int(np.random.default_rng(50 + self.round).permutation(self.sampler.n)[self.yielded - 1])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"round": self.round, "yielded": self.yielded}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.round, self.yielded = int(state["round"]), int(state["yielded"])
+        self.sampler.rounds = self.round
+
+
 class ResumableBatches(Sampler[list[int]]):
     """A stateful batch sampler: `Resumable`'s indices in batches of 3, 1, 3, 1, ..."""
 
@@ -156,6 +197,8 @@ def make_loader(case: str, *, num_workers: int, rank: int = 0, world_size: int =
         return Loader(Noisy(), batch_sampler=GroupedBatchSampler(np.arange(N) % 3, 5), **common)
     if case == "stateful":
         return Loader(Noisy(), batch_size=3, sampler=Resumable(), **common)
+    if case == "iterator-state":
+        return Loader(Noisy(), batch_size=3, sampler=IteratorState(), **common)
     if case == "stateful-batches":
         return Loader(Noisy(), batch_sampler=ResumableBatches(), **common)
     if case == "fast-forward":

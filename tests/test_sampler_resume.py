@@ -38,6 +38,7 @@ CASES = {
     "grouped-short": ((2, 1), 4, 1),
     "stateful": ((2, 1), 17, 1),
     "stateful-batches": ((2, 1), 5, 1),
+    "iterator-state": ((2, 1), 14, 1),  # torchdata's convention: the state on iter(sampler)
     "fast-forward": ((2, 1), 5, 1),
     "fast-forward-batches": ((2, 1), 16, 1),
     "dataset-state": ((1, 1), 17, 1),  # one copy of the dataset makes the batches: exact

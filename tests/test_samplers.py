@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from shardloader import GroupedBatchSampler, Loader, WeightedSampler
 from shardloader.errors import StateError
 from tests.resume import assert_exact_resume, assert_identical, plain_state, take
-from tests.sampler_cases import EpochShuffle, N, Noisy, Resumable, make_loader
+from tests.sampler_cases import EpochShuffle, IteratorState, N, Noisy, Resumable, make_loader
 
 # -- WeightedSampler ------------------------------------------------------------------------------
 
@@ -127,7 +127,8 @@ class Plain(torch.utils.data.Dataset):
 
 
 @pytest.mark.parametrize("case", ["weighted", "weighted-no-replacement", "grouped", "grouped-short",
-                                  "stateful", "stateful-batches", "fast-forward", "dataset-state"])
+                                  "stateful", "stateful-batches", "iterator-state", "fast-forward",
+                                  "dataset-state"])
 def test_resume_in_this_process_is_exact(case):
     """Cuts inside epochs and at an epoch's end, states through JSON (tests/resume.py)."""
     make = lambda: make_loader(case, num_workers=0)  # noqa: E731
@@ -160,6 +161,25 @@ def test_a_stateful_sampler_resumes_from_its_state_without_a_warning():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         next(iter(resumed))
+
+
+def test_a_sampler_whose_iterator_has_the_state_resumes_from_it_without_a_warning():
+    """torchdata's convention: iter(sampler) has state_dict()/load_state_dict(). The state of
+    the 4th batch's indices is saved (not the prefetched ones'); the resume loads it into a new
+    iter(sampler) and continues exactly, with no fast-forward."""
+    with Loader(Noisy(), batch_size=3, sampler=IteratorState(), num_workers=2) as loader:
+        rest = list(loader)[4:]
+    state_loader = Loader(Noisy(), batch_size=3, sampler=IteratorState(), num_workers=2)
+    take(state_loader, 4)
+    state = plain_state(state_loader.state_dict())
+    state_loader.close()
+    assert state["sampler"] == {"round": 1, "yielded": 12}
+    resumed = Loader(Noisy(), batch_size=3, sampler=IteratorState())
+    resumed.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = list(resumed)
+    assert_identical(got, rest, "the rest of the epoch from the iterator's state")
 
 
 def test_a_distributed_sampler_is_this_ranks_and_must_agree_with_the_loader():

@@ -9,6 +9,9 @@ inside the tasks. How a resume finds its place again (docs/samplers.md):
   loading a state taken mid-iteration, its next `iter()` continues from there): its state is
   captured right after each batch's indices are drawn, and the state of the batch last handed
   out is what the Loader saves; a resume loads it before the next `iter()`: exact, O(1);
+- a sampler whose ITERATOR has them (torchdata's stateful samplers keep their position on
+  `iter(sampler)`): the same, with the iterator's state: a resume makes `iter(sampler)` and
+  loads the saved state into that iterator;
 - any other sampler: fast-forward — `set_epoch(epoch)` when it has one, then the indices (or
   batches) before the saved step are drawn and dropped, with a UserWarning that names the
   sampler and the cost. Exact when the sampler's order depends only on its epoch.
@@ -65,6 +68,7 @@ class DrawnPlan:
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.stateful = isinstance(source, Stateful)
+        self._iterator_stateful = False  # the current iter(sampler) has a state (see begin)
         self._iterator: Iterator[Any] | None = None
         self._at: tuple[int, int] | None = None  # (epoch, step) the next draw is
         self._drawn: dict[tuple[int, int], tuple[np.ndarray, Any]] = {}
@@ -102,7 +106,7 @@ class DrawnPlan:
     def restore(self, epoch: int, step: int, state: Any) -> None:
         """A state was loaded: the next iteration of `epoch` continues at `step`; `state` is
         the sampler's saved state (None: fast-forward)."""
-        self._loaded = state if self.stateful else None
+        self._loaded = state  # the sampler's or its iterator's (None: fast-forward)
         self._pending = (epoch, step, self._loaded)
         self._iterator = None
         self._drawn.clear()
@@ -116,14 +120,23 @@ class DrawnPlan:
                 sampler.set_epoch(epoch)
         pending, self._pending = self._pending, None
         loaded = pending is not None and pending[2] is not None
-        if loaded:
+        if loaded and self.stateful:
             self.sampler.load_state_dict(copy.deepcopy(pending[2]))
         self._drawn.clear()
         self._at = (epoch, first_step)
-        if first_step >= self.global_steps:
+        at_end = first_step >= self.global_steps
+        if at_end and not (loaded and not self.stateful):
             self._iterator = iter(())  # an epoch at its end: nothing to draw
             return
         self._iterator = iter(self.sampler)
+        self._iterator_stateful = not self.stateful and isinstance(self._iterator, Stateful)
+        if loaded and self._iterator_stateful:  # torchdata's: the state is the iterator's
+            self._iterator.load_state_dict(copy.deepcopy(pending[2]))
+        elif loaded and not self.stateful:
+            loaded = False  # a state neither the sampler nor its iterator can take
+        if at_end:  # the state was loaded for the sampler's history (its next iter()) only
+            self._iterator = iter(())
+            return
         if first_step and not (loaded and (pending[0], pending[1]) == (epoch, first_step)):
             self._fast_forward(epoch, first_step)
 
@@ -158,7 +171,8 @@ class DrawnPlan:
             self._iterator = iter(())
             return None
         samples = np.asarray([int(i) for i in items], dtype=np.int64)
-        state = copy.deepcopy(self.sampler.state_dict()) if self.stateful else None
+        state = (copy.deepcopy(self.sampler.state_dict()) if self.stateful
+                 else copy.deepcopy(self._iterator.state_dict()) if self._iterator_stateful else None)
         self._drawn[(epoch, step)] = (samples, state)
         while len(self._drawn) > _KEPT:
             self._drawn.pop(next(iter(self._drawn)))
