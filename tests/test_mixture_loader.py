@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from tests.mixture_train import BATCH, make_loader
 from tests.proctree import descendants
@@ -176,3 +177,44 @@ def test_a_source_added_at_a_resume_starts_its_pass_and_the_others_continue(arro
     assert not set(this_pass) & set(squares_after)
     extra = [i - 237 for i in after if i >= 237]
     assert sorted(extra[:11]) == list(range(11))  # the new source's first pass, whole
+
+
+def test_the_job_account_gives_each_sources_figures(arrow_dataset, tmp_path):
+    """Issue 38 part 2: the job's account, and its report, give each mixture source's samples,
+    shard wait, read seconds and bytes: over two attempts (the first saves mid-epoch, the second
+    resumes and finishes the epoch), the sums of what each attempt's `Loader.stats()` said."""
+    from shardloader.checkpoint import Checkpointer
+    from shardloader.telemetry.job.account import account
+    from shardloader.telemetry.job.read import read_job_dir
+    from shardloader.telemetry.job.render import render_job_text
+
+    root = str(tmp_path / "ckpt")
+    stats = []
+    with Checkpointer(root) as ckpt:
+        loader = make_loader(arrow_dataset.path, num_workers=2)
+        for _ in zip(range(5), loader):
+            pass
+        ckpt.save(5, loader=loader).wait()
+        stats.append(loader.stats())
+        loader.close()
+    with Checkpointer(root) as ckpt:
+        loader = make_loader(arrow_dataset.path, num_workers=2)
+        ckpt.load(loader=loader)
+        rest = sum(1 for _ in loader)
+        stats.append(loader.stats())
+        loader.close()
+    assert rest > 0
+    report = account(read_job_dir(root))
+    sources = report["sources"]
+    assert sorted(sources) == ["arrow", "squares"]
+    for name, figures in sources.items():
+        for figure, key in (("samples", "samples"), ("read_seconds", "read_seconds_total"),
+                            ("shard_wait_seconds", "shard_wait_seconds_total"),
+                            ("bytes_downloaded", "bytes_downloaded")):
+            expected = sum(s[f"source.{name}.{key}"] for s in stats)
+            assert figures[figure] == pytest.approx(expected, rel=1e-9, abs=1e-12), (name, figure)
+    assert sum(f["samples"] for f in sources.values()) == report["samples"]["trained"]
+    text = render_job_text(report)
+    assert "sources" in text
+    for name, figures in sources.items():
+        assert any(line.split()[:2] == [name, f"{int(figures['samples']):,}"] for line in text.splitlines()), text

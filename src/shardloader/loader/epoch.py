@@ -155,6 +155,9 @@ class EpochIterator:
             self._tell_attempt(attempt, enter, moved=cursor.last_batch is not previous, amounts=None)
             raise
         self._tell_attempt(attempt, enter, moved=True, amounts=self.recorder.take_job_amounts())
+        sources = self.recorder.take_job_sources()
+        if sources:  # a Mixture's batch: what each source cost, for the job's account
+            attempt.add_sources(sources)
         return batch
 
     def _tell_attempt(self, attempt: AttemptRecorder, enter: float, *, moved: bool,

@@ -66,11 +66,14 @@ class BatchRecorder:
         self._job_seen = dict(self._counters_seen)  # only for a source no weak reference can hold
         #: (bytes_downloaded, JOB_COUNTERS) the last batch's worker counted, for the job's account.
         self._worker_job: tuple[float, dict[str, float]] = (0, {})
+        #: A Mixture's figures per source for the last batch, for the job's account.
+        self._job_sources: dict[str, dict[str, float]] | None = None
 
     def record(self, task: BatchTask, timings: BatchTimings, fetch_seconds: float, queue_depth: int) -> None:
         """Record the batch of `task`, delivered now after `fetch_seconds` in `next()`."""
         stats, telemetry = self.stats, self.telemetry
         self._worker_job = (timings.figures.get("bytes_downloaded", 0), timings.extra)
+        self._job_sources = timings.by_source or None
         if stats is None and telemetry is None:
             return
         if timings.by_source and stats is not None:  # a Mixture's batch: what each source cost
@@ -91,6 +94,11 @@ class BatchRecorder:
         if stats is not None:
             stats.on_batch(record)
         telemetry.on_batch(record)
+
+    def take_job_sources(self) -> dict[str, dict[str, float]] | None:
+        """A Mixture's figures per source for the batch recorded last (None: none, or taken)."""
+        sources, self._job_sources = self._job_sources, None
+        return sources
 
     def _local_counter_delta(self) -> tuple[int, int, int]:
         """This process's cache counters gained since the last delivered batch (since the

@@ -23,6 +23,7 @@ from typing import Any
 
 from shardloader.telemetry.job.endings import ENDINGS, attempt_ending
 from shardloader.telemetry.job.prices import SECOND_KINDS, cost
+from shardloader.telemetry.job.sources import parse_sources, sources_total
 
 #: An attempt's kinds of seconds (the job's less the gaps between attempts).
 ATTEMPT_KINDS = tuple(k for k in SECOND_KINDS if k != "between_attempts")
@@ -109,6 +110,7 @@ class Rank:
     restore: dict[str, Any] | None = None  # the last restore event
     epoch_wait: dict[int, float] = field(default_factory=dict)
     segments: list[tuple[int, int]] = field(default_factory=list)  # finished, in order
+    sources: dict[str, dict[str, float]] = field(default_factory=dict)  # its last "sources" event
 
 
 def _events(rank: Rank, where: str, events: Any) -> None:
@@ -124,6 +126,8 @@ def _events(rank: Rank, where: str, events: Any) -> None:
             raise ValueError(f"{at}: field 'time' missing")
         time = _number(f"{at}: field 'time'", raw["time"])
         spec = _EVENT_FIELDS.get(kind)
+        if kind == "sources":  # a mixture's running totals per source (sources.py)
+            rank.sources = parse_sources(at, raw.get("figures"))
         if spec is None:
             continue  # start and events unknown here carry nothing the account needs
         ev: dict[str, Any] = {}
@@ -485,6 +489,7 @@ def account(
         "bytes": bytes_,
         "requests": {k: sum(r["requests"][k] for r in reports) for k in _REQUESTS},
         "data_wait": data_wait(attempts),
+        "sources": sources_total(r.sources for a in attempts for r in a.ranks),
         "lineage": {"complete": known.complete, "attempts": known.attempts},
         "attempts": reports,
         "cost": None,

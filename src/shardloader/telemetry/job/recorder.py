@@ -34,6 +34,7 @@ from typing import Any
 from shardloader.runtime.liveness import launch_time, this_process
 from shardloader.telemetry.job import layout
 from shardloader.telemetry.job.counters import Counters
+from shardloader.telemetry.job.sources import add_figures
 
 #: mirror(relative name under the job dir, bytes): copies a file to a remote job dir.
 Mirror = Callable[[str, bytes], None]
@@ -100,6 +101,9 @@ class AttemptRecorder:
         self._blocked = 0.0  # checkpoint + restore seconds so far
         self._blocked_at_return = 0.0
         self._epoch_steps = 0
+        #: A mixture's running totals per source (`sources.add_figures`), written as "sources"
+        #: events at each epoch's end, save and the end (none for a job without a mixture).
+        self.sources: dict[str, dict[str, float]] = {}
         self._error: str | None = None
         self._ended = False
         self.event("start", attempt=attempt_id, job_id=job_id, rank=rank, world_size=world_size,
@@ -191,12 +195,26 @@ class AttemptRecorder:
         self._last_return = leave
         self._blocked_at_return = self._blocked
         if ended_epoch:
+            if self.sources:  # (under the counters' lock already)
+                self.event("sources", figures={n: dict(f) for n, f in self.sources.items()})
             self.event("epoch", epoch=epoch, data_wait_seconds=v["epoch_data_wait"],
                        steps=self._epoch_steps)
             # `epoch` stays the epoch of the last batch (told by its event now): an epoch with
             # no batch yet is no epoch of this rank's account.
             v["epoch_data_wait"], self._epoch_steps = 0.0, 0
         self._publish_locked()
+
+    def add_sources(self, figures: dict[str, dict[str, float]]) -> None:
+        """Add a batch's figures per mixture source (see `shardloader.telemetry.job.sources`)."""
+        with self._counters.lock:
+            add_figures(self.sources, figures)
+
+    def _write_sources(self) -> None:
+        """The running totals per source as a "sources" event (nothing without a mixture)."""
+        if self.sources:
+            with self._counters.lock:
+                figures = {name: dict(values) for name, values in self.sources.items()}
+            self.event("sources", figures=figures)
 
     def add(self, **amounts: float) -> None:
         """Add to counters outside a batch (bytes a prefetch read, the cache's high water:
@@ -229,6 +247,7 @@ class AttemptRecorder:
         return {"steps": v["steps"], "step_seconds": step_seconds, "positions": v["positions"]}
 
     def on_save(self, step: int, checkpoint: str, cursor: int | None) -> None:
+        self._write_sources()
         self.event("save", step=step, checkpoint=checkpoint, cursor=cursor, **self.progress())
 
     def on_committed(self, step: int, checkpoint: str, nbytes: int, files: int) -> None:
@@ -302,6 +321,7 @@ class AttemptRecorder:
             how = "failed" if self._error is not None else "finished"
         with self._counters.lock:
             self._publish_locked()
+        self._write_sources()
         self.event("end", how=how, error=error or self._error, **fields)
         with self._events_lock:
             os.close(self._events_fd)

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from shardloader.telemetry.job.sources import source_lines
 from shardloader.telemetry.records import TelemetryInputError
 from shardloader.telemetry.render import _fmt_bytes, _fmt_seconds
 
@@ -84,6 +85,7 @@ def render_job_text(report: Mapping[str, Any]) -> str:
         f"{_fmt_bytes(b['cache_peak'])}",
         f"requests           shard downloads {r['shard_downloads']:,}   range requests "
         f"{r['range_requests']:,}   checkpoint files {r['checkpoint_files']:,}",
+        *source_lines(report.get("sources") or {}, _fmt_bytes),
         "",
     ]
     lines += _data_wait_lines(report["data_wait"])
