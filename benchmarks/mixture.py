@@ -1,18 +1,23 @@
-"""A two-source Mixture against the single-dataset shuffle on the same images (issue 38).
+"""A two-source Mixture and a weighted sampler against the single-dataset shuffle on the same
+images (issue 38).
 
-The benchmark image set (`benchmarks/_images.py`, cached under benchmarks/out/) is read twice:
+The benchmark image set (`benchmarks/_images.py`, cached under benchmarks/out/) is read three
+times:
 
 * single: `Loader(Dataset(arrow), shuffle=True)`, the Loader's own order;
 * mixture: the same images written as two Arrow datasets, the first and the second half
   (`mix-a`, `mix-b`, cached beside the set), read as `Mixture({"a": (A, 0.5), "b": (B, 0.5)})`
   with `shuffle=True`: the mixture's own order (interleave by weight, per-source passes), each
-  source's samples of a batch read in one `get_many`, per-source counters.
+  source's samples of a batch read in one `get_many`, per-source counters;
+* weighted: the single dataset with `sampler=WeightedSampler(weights, n)` (per-sample weights
+  1..10 by label, with replacement, n samples an epoch: what `WeightedRandomSampler` is used
+  for against class imbalance), a pure sampler computed in the workers like the own order.
 
-Both decode, random-resized-crop to 112 px and flip (`DecodeCropFlip`) in batches of 64 with 2
+All three decode, random-resized-crop to 112 px and flip (`DecodeCropFlip`) in batches of 64 with 2
 process workers, persistent. One warm-up epoch each, then `--rounds` rounds of one epoch of each,
-taking turns (each first every other round), so that load from other processes hits both
+taking turns (the order reversed every other round), so that load from other processes hits both
 alike. Samples/s and CPU per sample (this process and its workers) are medians over rounds; the
-ratios are medians of per-round ratios (goal: >= 0.97). On a loaded machine the wall-time
+ratios to the single shuffle are medians of per-round ratios (goal: >= 0.97). On a loaded machine the wall-time
 ratio swings with other processes' load; the CPU ratio is the steadier figure of the two.
 
     .venv/bin/python -m benchmarks.mixture [--n 6000] [--rounds 5] [--workers 2] [--json out.json]
@@ -59,16 +64,20 @@ def prepare_halves(images: ImageSet) -> tuple[str, str]:
 
 
 def loaders(images: ImageSet, workers: int = WORKERS) -> dict[str, Any]:
-    from shardloader import Dataset, Loader, Mixture
+    import numpy as np
+
+    from shardloader import Dataset, Loader, Mixture, WeightedSampler
     from shardloader.transforms import DecodeCropFlip
 
     a, b = prepare_halves(images)
-    common = dict(batch_size=BATCH, num_workers=workers, shuffle=True, seed=0,
-                  persistent_workers=workers > 0)
+    common = dict(batch_size=BATCH, num_workers=workers, seed=0, persistent_workers=workers > 0)
+    weights = 1.0 + np.arange(images.n) % 10  # by label (i % 10): classes 1..10 times as likely
     return {
-        "single": Loader(Dataset(images.arrow_dir), transform=DecodeCropFlip(SIZE), **common),
+        "single": Loader(Dataset(images.arrow_dir), transform=DecodeCropFlip(SIZE), shuffle=True, **common),
         "mixture": Loader(Mixture({"a": (Dataset(a), 0.5), "b": (Dataset(b), 0.5)}),
-                          transform=DecodeCropFlip(SIZE), **common),
+                          transform=DecodeCropFlip(SIZE), shuffle=True, **common),
+        "weighted": Loader(Dataset(images.arrow_dir), transform=DecodeCropFlip(SIZE),
+                           sampler=WeightedSampler(weights, images.n, replacement=True), **common),
     }
 
 
@@ -100,21 +109,22 @@ def main() -> None:
             rate, us = epoch_rate(built[name])
             rates[name].append(rate)
             cpu[name].append(us)
-    ratios = [m / s for m, s in zip(rates["mixture"], rates["single"], strict=True)]
-    cpu_ratios = [s / m for m, s in zip(cpu["mixture"], cpu["single"], strict=True)]
+    others = [name for name in built if name != "single"]
+    ratios = {name: [o / s for o, s in zip(rates[name], rates["single"], strict=True)] for name in others}
+    cpu_ratios = {name: [s / o for o, s in zip(cpu[name], cpu["single"], strict=True)] for name in others}
     stats = built["mixture"].stats()
     for loader in built.values():
         loader.close()
-    rows = [[name, f"{median(r):,.0f}", spread(r), f"{median(cpu[name]):,.0f}"] for name, r in rates.items()]
+    rows = [[name, f"{median(r):,.0f}", spread(r), f"{median(cpu[name]):,.0f}",
+             "1" if name == "single" else f"{median(ratios[name]):.3f} ({spread(ratios[name])})",
+             "1" if name == "single" else f"{median(cpu_ratios[name]):.3f} ({spread(cpu_ratios[name])})"]
+            for name, r in rates.items()]
     text = "\n".join([
-        f"Two-source Mixture vs the single-dataset shuffle, {images.n} images, batch {BATCH}, "
-        f"{args.workers} process workers, DecodeCropFlip({SIZE}); {args.rounds} rounds",
+        f"A two-source Mixture and a WeightedSampler vs the single-dataset shuffle, {images.n} images, "
+        f"batch {BATCH}, {args.workers} process workers, DecodeCropFlip({SIZE}); {args.rounds} rounds",
         f"machine: {machine()}; load: {load_average()}; pid {os.getpid()}",
-        table(["loader", "samples/s (median)", "range", "CPU us/sample (median)"], rows),
-        f"mixture / single, samples/s: {median(ratios):.3f} (median of per-round ratios; range "
-        f"{spread(ratios)})",
-        f"single / mixture, CPU per sample: {median(cpu_ratios):.3f} (range {spread(cpu_ratios)}): "
-        f"the throughput ratio where CPU is the bound",
+        table(["loader", "samples/s (median)", "range", "CPU us/sample (median)",
+               "/ single, samples/s (median of rounds)", "single /, CPU per sample"], rows),
         "mixture's per-source summary: " + ", ".join(
             f"{k}={v:,.3g}" for k, v in stats.items() if k.startswith("source.")),
     ])
