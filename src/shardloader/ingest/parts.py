@@ -45,6 +45,7 @@ from shardloader.format.rows import check_schema
 from shardloader.format.schema import arrow_type, batch_records, schema_names
 from shardloader.ingest.routing import KEY_FIELDS, in_write_order
 from shardloader.ingest.target import OutputDir
+from shardloader.ingest.verify import indexed_names
 from shardloader.ingest.writer import WRITE_FORMATS, write_index, write_shard_files
 from shardloader.io.clients import filesystem
 from shardloader.io.objects import list_directory, read_object, remove_object
@@ -191,15 +192,6 @@ def commit_write(dest: str, *, storage_options: dict[str, Any] | None = None,
     except FileNotFoundError:
         pass
     return index
-
-
-def indexed_names(index: Index) -> set[str]:
-    """Every file name the index refers to: shards and their sidecars."""
-    names = set()
-    for shard in index.shards:
-        names.add(shard.path)
-        names.update(e["path"] for e in shard.extra.values() if isinstance(e, dict) and "path" in e)
-    return names
 
 
 def _writable(schema: dict[str, str]) -> dict[str, str] | None:
