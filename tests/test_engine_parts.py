@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 import pytest
 
 from shardloader import Dataset
+from shardloader.cli.main import main
 from shardloader.errors import DatasetIndexError, SchemaError, ShardloaderError
 from shardloader.ingest.parts import begin_write, commit_write, write_options, write_part
 from shardloader.ingest.routing import ROUTE_FIELD, with_shuffle_keys
@@ -71,7 +72,7 @@ def test_a_retried_attempt_overwrites_and_failed_attempts_leave_nothing(tmp_path
     assert verify_dataset(dest) == []
 
 
-def test_a_straggler_after_the_commit_is_listed_by_verify(tmp_path):
+def test_a_straggler_after_the_commit_is_listed_by_verify(tmp_path, capsys):
     dest = str(tmp_path / "out")
     options = write_options(shard_samples=5)
     begin_write(dest)
@@ -82,6 +83,10 @@ def test_a_straggler_after_the_commit_is_listed_by_verify(tmp_path):
     assert unindexed_files(dest) == sorted([
         f"{dest}/_parts/part-00007.json", f"{dest}/part-00007-00000.arrow",
         f"{dest}/part-00007-00000.arrow.ranges"])
+    assert main(["verify", "-q", dest]) == 0  # listed, not a failure: readers never see them
+    out = capsys.readouterr().out
+    assert f"UNINDEXED  {dest}/part-00007-00000.arrow (not named by the index" in out
+    assert out.count("UNINDEXED") == 3 and "ok: 2 shards, 10 samples" in out
 
 
 def test_commit_refuses_files_that_differ_from_their_manifest(tmp_path):
