@@ -1,16 +1,34 @@
-"""Pure functions of (sizes, seed, epoch, settings): sample order, rank split, sample keys."""
+"""Pure functions of (sizes, seed, epoch, settings): sample order, rank split, sample keys.
 
-from shardloader.order.partition import (
-    TAILS,
-    dropped_samples,
-    epoch_length,
-    padded_samples,
-    step_counts,
-    step_positions,
-    steps_per_epoch,
-)
-from shardloader.order.seeding import GlobalRngScope, sample_generator, sample_key
-from shardloader.order.shuffle import ORDER_VERSION, EpochOrder, ShuffleSettings
+The names below are imported on first use (PEP 562): `seeding` imports torch, and the modules
+that need only keys or permutations (the writers, whose engine tasks each start a fresh
+interpreter) import `shardloader.order.keys` / `.permute` without paying for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardloader.order.partition import (
+        TAILS,
+        dropped_samples,
+        epoch_length,
+        padded_samples,
+        step_counts,
+        step_positions,
+        steps_per_epoch,
+    )
+    from shardloader.order.seeding import GlobalRngScope, sample_generator, sample_key
+    from shardloader.order.shuffle import ORDER_VERSION, EpochOrder, ShuffleSettings
+
+_EXPORTS = {
+    **dict.fromkeys(("TAILS", "dropped_samples", "epoch_length", "padded_samples", "step_counts",
+                     "step_positions", "steps_per_epoch"), "shardloader.order.partition"),
+    **dict.fromkeys(("GlobalRngScope", "sample_generator", "sample_key"), "shardloader.order.seeding"),
+    **dict.fromkeys(("ORDER_VERSION", "EpochOrder", "ShuffleSettings"), "shardloader.order.shuffle"),
+}
 
 __all__ = [
     "ORDER_VERSION",
@@ -27,3 +45,16 @@ __all__ = [
     "step_positions",
     "steps_per_epoch",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardloader.order' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
