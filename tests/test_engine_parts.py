@@ -105,6 +105,13 @@ def test_commit_refuses_files_that_differ_from_their_manifest(tmp_path):
     assert not os.path.exists(os.path.join(dest, "index.json"))
 
 
+def test_bad_options_fail_on_the_driver():
+    with pytest.raises(ValueError, match="partitions must be a positive integer or None, got 0"):
+        write_options(shuffle=True, partitions=0)
+    with pytest.raises(ValueError, match="format must be one of arrow, tar, got 'zip'"):
+        write_options(format="zip")
+
+
 def test_begin_refuses_a_dataset_and_clears_an_unfinished_write(tmp_path):
     dest = str(tmp_path / "out")
     write_shards([{"id": 1}], dest)

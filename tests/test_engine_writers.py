@@ -31,6 +31,7 @@ from shardloader.format.index import Index
 from shardloader.ingest.verify import indexed_names, unindexed_files, verify_dataset
 from tests.test_order import BATCH, _distinct_classes_per_batch, _uniform_distinct_classes
 
+pytestmark = pytest.mark.slow
 LOCAL_ROWS, MIX_ROWS, CLASSES, PARTITIONS = 400, 7680, 10, 4
 
 
@@ -151,7 +152,8 @@ def ray_writes(tmp_path_factory, s3_server):
 
     from shardloader.ray import write_dataset
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             object_store_memory=200 << 20)
     ray.data.DataContext.get_current().enable_progress_bars = False
 
     def write(rows, dest, **options):

@@ -59,7 +59,8 @@ def write_dataset(
     """
     dest = os.fspath(dest)
     options = write_options(shard_bytes=shard_bytes, shard_samples=shard_samples, format=format,
-                            schema=schema, storage_options=storage_options, shuffle=shuffle)
+                            schema=schema, storage_options=storage_options, shuffle=shuffle,
+                            partitions=partitions)
     remote_args = {"max_retries": _RETRIES, **(ray_remote_args or {})}
     begin_write(dest, overwrite=overwrite, storage_options=storage_options)
     if not shuffle:

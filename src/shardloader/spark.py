@@ -58,7 +58,8 @@ def write_dataframe(
     """
     dest = os.fspath(dest)
     options = write_options(shard_bytes=shard_bytes, shard_samples=shard_samples, format=format,
-                            schema=schema, storage_options=storage_options, shuffle=shuffle)
+                            schema=schema, storage_options=storage_options, shuffle=shuffle,
+                            partitions=partitions)
     begin_write(dest, overwrite=overwrite, storage_options=storage_options)
     if shuffle:
         from pyspark.sql.types import BinaryType, LongType, StructField, StructType

@@ -66,9 +66,12 @@ def part_shard_name(partition: int) -> Callable[[int, str], str]:
 def write_options(*, shard_bytes: int = 256 << 20, shard_samples: int | None = None,
                   format: str = "arrow", schema: dict[str, str] | None = None,
                   storage_options: dict[str, Any] | None = None,
-                  shuffle: bool = False) -> dict[str, Any]:
+                  shuffle: bool = False, partitions: int | None = None) -> dict[str, Any]:
     """The options every task of one write gets (a plain dict: engines ship it to tasks),
-    checked here on the driver so a bad one fails before any task runs."""
+    checked here on the driver so a bad one fails before any task runs. `partitions`: the
+    output partitions a shuffled write asks for (None: the engine's default), checked only."""
+    if partitions is not None and (not isinstance(partitions, int) or partitions < 1):
+        raise ValueError(f"partitions must be a positive integer or None, got {partitions!r}")
     if format not in WRITE_FORMATS:
         raise ValueError(f"format must be one of {', '.join(WRITE_FORMATS)}, got {format!r}")
     if shard_bytes <= 0:
