@@ -40,7 +40,7 @@ def _local_rows() -> list[dict[str, Any]]:
 
 
 def _mix_rows() -> list[dict[str, Any]]:
-    return [{"id": i, "label": i * CLASSES // MIX_ROWS, "data": i.to_bytes(4, "little")}
+    return [{"id": i, "label": i * CLASSES // MIX_ROWS, "data": i.to_bytes(4, "big")}
             for i in range(MIX_ROWS)]
 
 
@@ -92,20 +92,21 @@ def _task_hook(dest: str, storage_options: dict | None, marks: str, kill_partiti
 
 
 def _writes(tmp: str, s3_server, write) -> dict[str, Any]:
-    """The module's two writes through `write(rows, dest, **options)`; what each left."""
+    """The module's two writes through `write(rows, dest, **options)` (rows: "local" for
+    `_local_rows()`, "mix" for `_mix_rows()`); what each left."""
     out: dict[str, Any] = {"seconds": {}}
     local, marks = os.path.join(tmp, "local"), os.path.join(tmp, "marks-local")
     os.makedirs(marks)
     os.makedirs(local)
     start = time.perf_counter()
-    write(_local_rows(), local, shard_samples=30, on_shard=_task_hook(local, None, marks, 1, True))
+    write("local", local, shard_samples=30, on_shard=_task_hook(local, None, marks, 1, True))
     out["seconds"]["local"] = time.perf_counter() - start
     out["local"], out["local_marks"] = local, sorted(os.listdir(marks))
     options = s3_server.storage_options()
     url, marks = f"s3://{s3_server.create_bucket()}/ds", os.path.join(tmp, "marks-s3")
     os.makedirs(marks)
     start = time.perf_counter()
-    write(_mix_rows(), url, shard_samples=240, shuffle=True, partitions=PARTITIONS, seed=5,
+    write("mix", url, shard_samples=240, shuffle=True, partitions=PARTITIONS, seed=5,
           storage_options=options, on_shard=_task_hook(url, options, marks, 2, False))
     out["seconds"]["s3 shuffled"] = time.perf_counter() - start
     out["s3"], out["s3_marks"], out["storage_options"] = url, sorted(os.listdir(marks)), options
@@ -126,12 +127,21 @@ def spark_writes(tmp_path_factory, s3_server):
     spark = (SparkSession.builder.master("local[2,3]")  # 2 threads, 3 attempts per task
              .config("spark.ui.enabled", "false").config("spark.sql.shuffle.partitions", "4")
              .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.host", "127.0.0.1")
+             .config("spark.ui.showConsoleProgress", "false")
              .getOrCreate())
     spark.sparkContext.setLogLevel("ERROR")
 
+    # The rows of _local_rows() / _mix_rows() made by Spark itself (spark.range splits the ids
+    # into contiguous partitions, as Ray's from_items does): no Python worker to build them.
+    columns = {
+        "local": ("id DIV 40", "unhex(repeat(lpad(hex(id % 251), 2, '0'), CAST(1 + id % 7 AS INT)))"),
+        "mix": (f"id * {CLASSES} DIV {MIX_ROWS}", "unhex(lpad(hex(id), 8, '0'))"),
+    }
+
     def write(rows, dest, **options):
-        df = spark.createDataFrame(spark.sparkContext.parallelize(
-            [tuple(r.values()) for r in rows], PARTITIONS), "id long, label long, data binary")
+        label, data = columns[rows]
+        df = spark.range(LOCAL_ROWS if rows == "local" else MIX_ROWS, numPartitions=PARTITIONS)
+        df = df.selectExpr("id", f"CAST({label} AS BIGINT) AS label", f"{data} AS data")
         return write_dataframe(df, dest, **options)
 
     try:
@@ -157,7 +167,8 @@ def ray_writes(tmp_path_factory, s3_server):
     ray.data.DataContext.get_current().enable_progress_bars = False
 
     def write(rows, dest, **options):
-        return write_dataset(ray.data.from_items(rows, override_num_blocks=PARTITIONS), dest, **options)
+        items = _local_rows() if rows == "local" else _mix_rows()
+        return write_dataset(ray.data.from_items(items, override_num_blocks=PARTITIONS), dest, **options)
 
     try:
         yield _writes(str(tmp_path_factory.mktemp("ray")), s3_server, write)
