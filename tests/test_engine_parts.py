@@ -103,6 +103,10 @@ def test_commit_refuses_files_that_differ_from_their_manifest(tmp_path):
     with pytest.raises(ShardloaderError, match=r"part-00000-00000.arrow: \d+ bytes, but its partition's manifest"):
         commit_write(dest)
     assert not os.path.exists(os.path.join(dest, "index.json"))
+    write_part([_rows(10)], dest, 0, options)  # the shard agrees again; then its sidecar goes
+    os.remove(os.path.join(dest, "part-00000-00000.arrow.ranges"))
+    with pytest.raises(ShardloaderError, match=r"part-00000-00000.arrow.ranges: missing, but its partition's manifest"):
+        commit_write(dest)
 
 
 def test_bad_options_fail_on_the_driver():

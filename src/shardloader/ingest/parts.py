@@ -174,18 +174,19 @@ def commit_write(dest: str, *, storage_options: dict[str, Any] | None = None,
                    for e in manifest["shards"]]
     if schema is None:
         raise ShardloaderError(f"{dest}: no samples to write (every partition is empty); no index written")
+    index = Index(schema=schema, shards=tuple(shards))
     files = _listing(dest, storage_options, sizes=True)
-    for shard in shards:
-        if files.get(shard.path) != shard.bytes:
+    for name, size in _recorded_sizes(shards):
+        if files.get(name) != size:
+            found = "missing" if name not in files else f"{files[name]} bytes"
             raise ShardloaderError(
-                f"{join_url(dest, shard.path)}: {files.get(shard.path, 'no')} bytes, but its "
-                f"partition's manifest records {shard.bytes}: two attempts of the partition wrote "
-                "different content (is its input deterministic?); nothing was indexed")
-    named = indexed_names(Index(schema=schema, shards=tuple(shards)))
+                f"{join_url(dest, name)}: {found}, but its partition's manifest records {size} "
+                "bytes: two attempts of the partition wrote different content (is its input "
+                "deterministic?), or the file was removed; nothing was indexed")
+    named = indexed_names(index)
     for name in files:
         if PART_FILE.match(name) and name not in named:
             _remove(dest, name, storage_options)
-    index = Index(schema=schema, shards=tuple(shards))
     with OutputDir(dest, storage_options) as target:
         write_index(target, index, shard_table)
     parts_url = join_url(dest, PARTS_DIR)
@@ -195,6 +196,15 @@ def commit_write(dest: str, *, storage_options: dict[str, Any] | None = None,
     except FileNotFoundError:
         pass
     return index
+
+
+def _recorded_sizes(shards: list[ShardInfo]) -> Iterator[tuple[str, int]]:
+    """(name, bytes) of every file the shards' entries record: shards and sidecars."""
+    for shard in shards:
+        yield shard.path, shard.bytes
+        for entry in shard.extra.values():
+            if isinstance(entry, dict) and "path" in entry and "bytes" in entry:
+                yield entry["path"], entry["bytes"]
 
 
 def _writable(schema: dict[str, str]) -> dict[str, str] | None:
