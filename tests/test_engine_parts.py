@@ -7,6 +7,7 @@ attempts' files removed, and the keyed routing that shuffles across partitions.
 from __future__ import annotations
 
 import os
+import signal
 
 import numpy as np
 import pyarrow as pa
@@ -53,15 +54,36 @@ def test_partitions_commit_into_one_index_in_partition_order(tmp_path):
     assert verify_dataset(dest) == [] and unindexed_files(dest) == []
 
 
+def _killed_while_a_shard_is_open(dest: str, options: dict) -> list[str]:
+    """Partition 1's attempt in a child process SIGKILLed while its second shard is being
+    written (its input stalls there: the kill comes when the writer asks for more rows);
+    the files it left."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        def batches():
+            yield _rows(8, 100).to_batches()[0]  # shard 0: 5 rows, whole; shard 1: 3 rows, open
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        try:
+            write_part(batches(), dest, 1, options)
+        finally:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    return sorted(os.listdir(dest))
+
+
 def test_a_retried_attempt_overwrites_and_failed_attempts_leave_nothing(tmp_path):
     dest = str(tmp_path / "out")
     options = write_options(shard_samples=5)
     begin_write(dest)
-    # A first attempt of partition 1 that read more rows (its input changed) then died before
-    # its manifest: files part-00001-00000..00004, one temporary, no manifest.
+    left = _killed_while_a_shard_is_open(dest, options)
+    assert [n for n in left if n.startswith(".part-00001-00001.arrow.tmp-")]  # the open shard
+    assert "part-00001-00000.arrow" in left and "_parts" not in left  # no manifest
+    # A second attempt that read more rows (its input changed) and died before its manifest:
+    # part-00001-00000..00004.
     write_part([_rows(25, 100)], dest, 1, options)
     os.remove(os.path.join(dest, "_parts", "part-00001.json"))
-    open(os.path.join(dest, ".part-00001-00005.arrow.tmp-123-0"), "wb").close()
     write_part([_rows(10, 0)], dest, 0, options)
     write_part([_rows(10, 10)], dest, 1, options)  # the retry
     index = commit_write(dest, partitions=[0, 1])

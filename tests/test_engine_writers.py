@@ -4,7 +4,7 @@
 Each engine makes two writes, once per module (starting an engine costs 20-80 s):
 
 - local, source order kept: 400 rows in 4 partitions; the first attempt of partition 1 is
-  SIGKILLed while its second shard's file is open (the engine retries the task);
+  SIGKILLed after its first shard (the engine retries the task);
 - ``s3://`` (moto), `shuffle=True`: 7680 class-sorted rows in 4 partitions (each holds 2-3 of 10
   classes); the first attempt of partition 2 is SIGKILLed after its first shard's upload.
 
@@ -44,18 +44,15 @@ def _mix_rows() -> list[dict[str, Any]]:
             for i in range(MIX_ROWS)]
 
 
-def _task_hook(dest: str, storage_options: dict | None, marks: str, kill_partition: int,
-               while_next_shard_open: bool):
+def _task_hook(dest: str, storage_options: dict | None, marks: str, kill_partition: int):
     """on_shard for the tasks: record whether a reader finds a dataset at `dest` (a file in
-    `marks` per shard and process), and SIGKILL the first attempt of `kill_partition` after its
-    first shard: at once, or once its second shard's file is open (a local `dest`).
+    `marks` per shard and process), and SIGKILL the first attempt of `kill_partition` once its
+    first shard is written (the rest of the partition, and its manifest, not yet).
     Self-contained (imports inside), as the engines pickle it by value."""
 
     def on_shard(shard):
         import os
         import signal
-        import threading
-        import time
 
         from shardloader.source.index import load_index
 
@@ -72,21 +69,7 @@ def _task_hook(dest: str, storage_options: dict | None, marks: str, kill_partiti
             os.close(os.open(os.path.join(marks, "killed"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             return  # the retry
-        if not while_next_shard_open:
-            os.kill(os.getpid(), signal.SIGKILL)
-        prefix = f".part-{partition:05d}-00001."
-
-        def kill_once_the_next_shard_is_open():
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                temps = [n for n in os.listdir(dest) if n.startswith(prefix)]
-                if temps:
-                    open(os.path.join(marks, f"open-{temps[0]}"), "w").close()
-                    break
-                time.sleep(0.001)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-        threading.Thread(target=kill_once_the_next_shard_is_open, daemon=True).start()
+        os.kill(os.getpid(), signal.SIGKILL)
 
     return on_shard
 
@@ -99,7 +82,7 @@ def _writes(tmp: str, s3_server, write) -> dict[str, Any]:
     os.makedirs(marks)
     os.makedirs(local)
     start = time.perf_counter()
-    write("local", local, shard_samples=30, on_shard=_task_hook(local, None, marks, 1, True))
+    write("local", local, shard_samples=30, on_shard=_task_hook(local, None, marks, 1))
     out["seconds"]["local"] = time.perf_counter() - start
     out["local"], out["local_marks"] = local, sorted(os.listdir(marks))
     options = s3_server.storage_options()
@@ -107,7 +90,7 @@ def _writes(tmp: str, s3_server, write) -> dict[str, Any]:
     os.makedirs(marks)
     start = time.perf_counter()
     write("mix", url, shard_samples=240, shuffle=True, partitions=PARTITIONS, seed=5,
-          storage_options=options, on_shard=_task_hook(url, options, marks, 2, False))
+          storage_options=options, on_shard=_task_hook(url, options, marks, 2))
     out["seconds"]["s3 shuffled"] = time.perf_counter() - start
     out["s3"], out["s3_marks"], out["storage_options"] = url, sorted(os.listdir(marks)), options
     return out
@@ -196,10 +179,9 @@ def test_every_row_is_read_back_once_after_a_task_killed_mid_write(writes):
         (r["id"], r["label"], r["data"]) for r in _local_rows()]
     marks = writes["local_marks"]
     assert "killed" in marks
-    assert any(m.startswith("open-.part-00001-00001.arrow.tmp-") for m in marks)  # killed mid-shard
     first_shard = [m for m in marks if m.startswith("seen-1-0-")]
     assert len({m.split("-")[3] for m in first_shard}) == 2  # two processes: the attempt and its retry
-    # no orphan: exactly the index's files (the killed attempt's open shard was removed)
+    # no orphan, no duplicate: exactly the index's files
     assert sorted(os.listdir(writes["local"])) == sorted(indexed_names(index) | {"index.json"})
     assert verify_dataset(writes["local"]) == [] and unindexed_files(writes["local"]) == []
 
