@@ -68,11 +68,13 @@ _MAPPED = frozenset({"key", "secret", "token", "anon", "profile", "endpoint_url"
 
 
 class S3HTTPError(OSError):
-    """An S3 answer other than 200/206 and other than 401/403/404 (`status`, URL, S3's code)."""
+    """An S3 answer other than 200/206 and other than 401/403/404 (`status`, URL, S3's `code`,
+    such as ``SlowDown``, or "")."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str = "") -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -293,7 +295,7 @@ def _error_for(path: str, error: Any) -> OSError:
         refused = PermissionError(message)
         refused.status = status  # type: ignore[attr-defined]
         return refused
-    return S3HTTPError(int(status), message)
+    return S3HTTPError(int(status), message, code)
 
 
 def s3_reader(url: str, storage_options: dict[str, Any]) -> S3Reader | None:
