@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
@@ -76,6 +77,7 @@ def _states_equal(a: object, b: object) -> bool:
     return a == b
 
 
+@pytest.mark.slow  # ~3 min: four torchrun launches (4, 4, 2 and 8 ranks)
 def test_resize_4_to_2_to_8_ranks_resumes_exactly(tmp_path, s3_server):
     data = str(tmp_path / "ds")
     write_shards(make_samples(SAMPLES), data, shard_samples=6)  # 16 shards
