@@ -17,7 +17,8 @@ What is measured, per N (1, 4, 16, 64 by default), from the proxy's log:
   ranks); GETs of part of a shard (reads by range from a cold cache, before the shard is
   whole in the cache) are counted apart, as are the index and the range sidecars;
 * the peak request rate: the most requests that arrived at one prefix in any one second
-  (all of them, 503s included: what the clients offered), against the limit;
+  (all of them, 503s included: what the clients offered), and of those served, against the
+  limit;
 * the 503s met, and how many requests the clients made in total;
 * bytes per node: response body bytes the proxy sent to that node (mean and max), against the
   node's share of the dataset (dataset bytes x ranks on the node / world size);
@@ -31,6 +32,8 @@ on that; the times do.
 
     python -m benchmarks.many_nodes                      # N = 1, 4, 16, 64
     python -m benchmarks.many_nodes --nodes 1,4 --rate 50 --json out.json
+    python -m benchmarks.many_nodes --rate 20 --burst 10 --prefixes 16   # shards under 16 prefixes
+    python -m benchmarks.many_nodes --rate 20 --retry-mode standard      # without botocore's pacing
 """
 
 from __future__ import annotations
