@@ -290,8 +290,15 @@ class AttemptRecorder:
                 except Exception:  # noqa: BLE001 - the next interval copies again
                     pass
 
-    def finish(self, how: str | None = None, error: str | None = None) -> None:
-        """End the attempt: "finished", or "failed" when an uncaught exception was seen."""
+    @property
+    def ended(self) -> bool:
+        """Whether this attempt's ending is recorded (nothing is recorded after it)."""
+        return self._ended
+
+    def finish(self, how: str | None = None, error: str | None = None, **fields: Any) -> None:
+        """End the attempt: `how` (one of `endings.ENDINGS`; default "finished", or "failed"
+        when an uncaught exception was seen) with `error` (the reason in words) and `fields`
+        in its `end` event."""
         if self._ended or os.getpid() != self.pid:
             return
         self._ended = True
@@ -301,7 +308,7 @@ class AttemptRecorder:
             how = "failed" if self._error is not None else "finished"
         with self._counters.lock:
             self._publish_locked()
-        self.event("end", how=how, error=error or self._error)
+        self.event("end", how=how, error=error or self._error, **fields)
         with self._events_lock:
             os.close(self._events_fd)
             self._events_fd = -1
@@ -324,10 +331,12 @@ def open_attempt(job_dir: str, **kwargs: Any) -> AttemptRecorder:
         return _current
 
 
-def close_attempt(recorder: AttemptRecorder, how: str | None = None, error: str | None = None) -> None:
-    """End `recorder`'s attempt (its Checkpointer was closed); it is no longer current."""
+def close_attempt(recorder: AttemptRecorder, how: str | None = None, error: str | None = None,
+                  **fields: Any) -> None:
+    """End `recorder`'s attempt (its Checkpointer was closed, or `endings.record_ending`); it
+    is no longer current."""
     global _current
-    recorder.finish(how, error)
+    recorder.finish(how, error, **fields)
     with _current_lock:
         _open.discard(recorder)
         if _current is recorder:
