@@ -95,7 +95,7 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--deadline", type=float, default=25.0)
-    parser.add_argument("--signals", default="SIGTERM")
+    parser.add_argument("--notice-signals", default="SIGTERM")  # not --signals: torchrun would take it for its --signals-to-handle
     parser.add_argument("--hold", action="append", default=[])
     parser.add_argument("--hold-rank", type=int, default=-1)
     args = parser.parse_args()
@@ -117,7 +117,7 @@ def main() -> None:
                     num_workers=args.workers, seed=0, transform=ToTensors(holds))
     gate = Gate(holds)
     ckpt = Checkpointer(args.root, keep=3, _phase_hook=hook, preemption=Preemption(
-        signals=tuple(args.signals.split(",")), deadline=args.deadline))
+        signals=tuple(args.notice_signals.split(",")), deadline=args.deadline))
     say("ready")
     step = 0
     if ckpt.latest() is not None:

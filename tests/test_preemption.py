@@ -116,7 +116,7 @@ def test_a_notice_at_any_moment_saves_the_step_and_the_job_continues_bit_for_bit
     preempt("between epochs", hold="epoch-end")  # the first epoch's end this run reaches
     preempt("SIGTERM to the process group, 2 workers", "--workers", "2",
             hold=f"step:{newest_step(root) + 2}", group=True)
-    preempt("SIGUSR1 (SLURM --signal)", "--signals", "SIGTERM,SIGUSR1",
+    preempt("SIGUSR1 (SLURM --signal)", "--notice-signals", "SIGTERM,SIGUSR1",
             hold=f"step:{newest_step(root) + 2}", sig=signal.SIGUSR1)
 
     second = newest_step(root) + 2
