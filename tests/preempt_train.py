@@ -18,7 +18,9 @@ writing, after printing `held WHAT` (flushed), so that a test signals it exactly
 
 `--hold-rank R`: under torchrun, only rank R holds. It prints `ready` once its Checkpointer is
 made, `resumed N` after a restore, `step N <digest of the batch>` after each step, `weights
-<digest>` and `done` at the end; under torchrun every line starts with `rank R `.
+<digest>` and `done` at the end; under torchrun every line starts with `rank R `, and with
+$PREEMPT_LINES_DIR set each rank also appends its lines to `rank-R.txt` there (torchrun
+relays its ranks' output, and the last lines of a run it shuts down can be lost).
 """
 
 from __future__ import annotations
@@ -35,10 +37,15 @@ import torch.distributed as dist
 from shardloader import Dataset, Loader
 from shardloader.checkpoint import Checkpointer, Preemption
 
+LINES_DIR = os.environ.get("PREEMPT_LINES_DIR")  # each rank's lines also in a file of its own
+
 
 def say(text: str) -> None:
     prefix = f"rank {dist.get_rank()} " if dist.is_initialized() else ""
     print(f"{prefix}{text}\n", end="", flush=True)  # one write: ranks share stdout
+    if LINES_DIR and dist.is_initialized():  # torchrun relays stdout: its last lines may be lost
+        with open(os.path.join(LINES_DIR, f"rank-{dist.get_rank()}.txt"), "a") as f:
+            f.write(f"{prefix}{text}\n")
 
 
 class Holds:

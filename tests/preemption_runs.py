@@ -29,6 +29,7 @@ class Run:
     proc: subprocess.Popen
     marker: str
     stderr: str
+    lines_dir: str
     lines: list[str] = field(default_factory=list)
     signalled_at: float | None = None
 
@@ -64,20 +65,27 @@ class Run:
         return self.proc.returncode, took
 
     def steps(self, rank: int | None = None) -> list[tuple[int, str]]:
-        """(step, batch digest) of every step the run (or rank `rank`) printed."""
+        """(step, batch digest) of every step the run (or rank `rank`, from its own file)
+        printed."""
         head = "step " if rank is None else f"rank {rank} step "
-        return [(int(p[-2]), p[-1]) for p in (line.split() for line in self.lines
+        lines = self.lines
+        if rank is not None:
+            with open(os.path.join(self.lines_dir, f"rank-{rank}.txt")) as f:
+                lines = f.read().splitlines()
+        return [(int(p[-2]), p[-1]) for p in (line.split() for line in lines
                                                 if line.startswith(head))]
 
 
 def start(cmd: list[str], cwd: str) -> Run:
     marker = uuid.uuid4().hex
     stderr = os.path.join(cwd, f"stderr-{marker}")
+    lines_dir = os.path.join(cwd, f"lines-{marker}")
+    os.makedirs(lines_dir)
     with open(stderr, "w") as err:
-        proc = subprocess.Popen(cmd, cwd=cwd, env=env(marker), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=err, text=True,
-                                start_new_session=True)
-    return Run(proc, marker, stderr)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env(marker, PREEMPT_LINES_DIR=lines_dir),
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
+                                text=True, start_new_session=True)
+    return Run(proc, marker, stderr, lines_dir)
 
 
 def train_cmd(root: str, data: str, *args: str) -> list[str]:

@@ -183,22 +183,32 @@ def test_under_torchrun_every_rank_saves_the_same_step(tmp_path, data):
         release(hold, run)
         code, took = run.finish()
         assert code != 0, moment
-        per_rank = [run.steps(r) for r in (0, 1)]
-        assert per_rank[0][-1][0] == per_rank[1][-1][0] == at == newest_step(root), per_rank
+        # The agent passes the signal on when its monitor loop wakes: the ranks may see it a
+        # step later than the one parked. Either way every rank's last step is the one saved.
+        saved = newest_step(root)
+        last = [run.steps(r)[-1][0] for r in (0, 1)]
+        assert last == [saved, saved] and saved >= at, (last, saved, at)
         stderr = open(run.stderr).read()
-        assert stderr.count("saved step") == 2, stderr[-3000:]  # each rank's ending says so
-        results.append({"moment": f"torchrun, {moment}", "rc": code, "saved": at, "lost": 0,
+        assert stderr.count(f"saved step {saved} in") == 2, stderr[-3000:]  # each rank's ending
+        results.append({"moment": f"torchrun, {moment}", "rc": code, "saved": saved, "lost": 0,
                         "commit_s": commit_seconds(run.stderr), "seconds": round(took, 3)})
 
     # The issue's case: rank 1 SIGKILLed; rank 0 then fails in a collective. The account names
     # the killed rank as the cause, not rank 0's gloo error.
     hold = fifo(cwd)
-    run = start(torchrun_cmd(root, data, *args, "--hold", f"step:8={hold}", "--hold-rank", "1"), cwd)
-    run.expect("rank 1 held step:8")
+    restored = newest_step(root)
+    kill_at = restored + 2
+    run = start(torchrun_cmd(root, data, *args, "--hold", f"step:{kill_at}={hold}",
+                             "--hold-rank", "1"), cwd)
+    run.expect(f"rank 1 held step:{kill_at}")
     run.signal(run.pid_of(1), signal.SIGKILL)
     assert run.finish()[0] != 0
     killed = account(read_job_dir(root))["attempts"][-1]
-    assert (killed["ended"], killed["restored_step"], killed["lost_steps"]) == ("killed", 6, 2)
+    assert (killed["ended"], killed["restored_step"]) == ("killed", restored)
+    # Rank 0 finished step kill_at (rank 1 was parked after its backward) and waited in the
+    # next check: the steps after the last commit are lost.
+    assert run.steps(0)[-1][0] == kill_at
+    assert killed["lost_steps"] == kill_at - restored
     assert killed["reason"].startswith("rank 1 killed: it ended without recording an ending")
 
     final = start(torchrun_cmd(root, data, *args), cwd)
