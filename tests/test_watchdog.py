@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 
@@ -91,10 +92,16 @@ def test_watchdog_seconds_is_checked_before_anything_is_written(tmp_path):
     assert not os.path.exists(tmp_path / "ckpt")
 
 
-def test_an_attempt_is_hung_when_any_rank_hung_and_its_error_holds_every_hung_rank():
-    assert attempt_ending([("failed", "Connection closed by peer"), ("hung", "rank 1 made no")]) \
-        == ("hung", "rank 1 made no")
-    assert attempt_ending([("hung", "rank 0 a"), ("hung", "rank 1 b")]) == ("hung", "rank 0 a\nrank 1 b")
-    assert attempt_ending([(None, None), ("failed", "E")]) == ("failed", "E")
-    assert attempt_ending([("finished", None), (None, None)]) == ("killed", None)
-    assert attempt_ending([("finished", None)] * 2) == ("finished", None)
+def _ranks(*endings):
+    """Ranks as the account parses them: (ending or None for a rank that recorded none, error)."""
+    return [SimpleNamespace(rank=i, how=how, error=error, end_time=None if how is None else 10.0 + i,
+                            end_fields={}, c={"heartbeat_time": 5.0})
+            for i, (how, error) in enumerate(endings)]
+
+
+def test_an_attempt_is_hung_when_any_rank_hung_and_its_reason_holds_every_hung_rank():
+    assert attempt_ending(_ranks(("failed", "Connection closed by peer"), ("hung", "made no step"))) \
+        == ("hung", None, "rank 1: made no step")
+    assert attempt_ending(_ranks(("hung", "a"), ("hung", "b"))) == ("hung", None, "rank 0: a\nrank 1: b")
+    assert attempt_ending(_ranks(("finished", None), (None, None)))[0] == "killed"
+    assert attempt_ending(_ranks(("finished", None), ("finished", None))) == ("finished", None, None)
