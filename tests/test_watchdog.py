@@ -58,8 +58,8 @@ def test_a_step_that_hangs_ends_the_process_within_the_bound_naming_where_it_wai
 
     report = account(read_job_dir(str(tmp_path / "ckpt")))
     (attempt,) = report["attempts"]
-    assert attempt["ended"] == "hung" and "in hang_in_step" in attempt["error"]
-    assert attempt["error"].startswith("rank 0 made no step progress")
+    assert attempt["ended"] == "hung" and "in hang_in_step" in attempt["reason"]
+    assert attempt["reason"].startswith("rank 0 made no step progress")
     assert latency < BOUND + 5.0  # detection, record, grace and exit, on a loaded machine
     print(f"stalled {stalled:.2f} s when found (bound {BOUND} s); hang -> exit seen {latency:.2f} s")
 
