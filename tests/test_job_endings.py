@@ -122,3 +122,20 @@ def test_every_ending_is_listed_and_drawn(tmp_path):
         line = next(x for x in lines if x.startswith(f"  a{i} {how.replace('_', ' ')}: "))
         assert line.endswith(f"why {how}"), line
     assert os.path.getsize(plot_job(report, tmp_path / "job.png")) > 0
+
+
+def test_a_save_without_a_loader_is_accounted(tmp_path):
+    """A Checkpointer that saves only a model (no loader: no cursor) writes a `save` event whose
+    cursor is None; the account reads it and counts the attempt (it once refused the job)."""
+    import torch
+
+    from shardloader.checkpoint import Checkpointer
+
+    root = str(tmp_path / "ckpt")
+    with Checkpointer(root) as ckpt:
+        model = torch.nn.Linear(2, 2)
+        ckpt.save(1, model=model)
+        ckpt.wait()
+    report = account(read_job_dir(root))
+    (only,) = report["attempts"]
+    assert only["ended"] == "finished" and only["lost_steps"] == 0

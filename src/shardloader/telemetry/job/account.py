@@ -44,7 +44,7 @@ _COUNTS = (
 _EVENT_FIELDS: dict[str, dict[str, Any]] = {
     "restore": {"step": "count", "checkpoint": "str", "cursor": "cursor?"},
     "save": {
-        "step": "count", "checkpoint": "str", "cursor": "count", "steps": "count",
+        "step": "count", "checkpoint": "str", "cursor": "cursor?", "steps": "count",
         "step_seconds": "seconds", "positions": "count",
     },
     "committed": {"step": "count", "checkpoint": "str"},
@@ -89,7 +89,7 @@ class Save:
 
     checkpoint: str
     step: int
-    cursor: int
+    cursor: int | None  # None: a save without a loader
     steps: int
     step_seconds: float
     positions: int
