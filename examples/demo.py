@@ -10,9 +10,10 @@
    resumed run bit for bit those of the uninterrupted run?
 5. Accounts for the killed-and-resumed job across both its attempts (`shardloader report
    --job`): where its wall time went, the steps the kill cost, samples trained twice or never.
-6. Recovery without a human: two ranks under `torchrun --max-restarts=1`, one SIGKILLed; the
-   agent restarts the group, which resumes and finishes; the job account lists the endings
-   (`demo_recovery`).
+6. Recovery without a human: two ranks under `torchrun --max-restarts=1`: a SIGTERM to the agent
+   (a preemption notice) makes both save the same step and exit 75, 0 steps lost; started again,
+   one rank is SIGKILLed and the agent restarts the group, which resumes and finishes; the job
+   account lists the three endings (`demo_recovery`).
 7. Checks that no process it started (directly or not: loader workers, the MLflow writer, the
    SIGKILLed run's children) is still alive, and says so; any survivor fails the demo.
 
@@ -33,7 +34,7 @@ import time
 import uuid
 
 import torch
-from demo_recovery import automatic_restart
+from demo_recovery import automatic_restart, preemption_notice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
@@ -212,7 +213,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=int(os.environ.get("DEMO_SEED", "7")))
     args = p.parse_args()
     out = args.out
-    for name in ("checkpoints-reference", "checkpoints-resumed", "checkpoints-restarted",
+    for name in ("checkpoints-reference", "checkpoints-resumed", "checkpoints-recovery",
                  "mlartifacts", "mlflow.db"):
         path = os.path.join(out, name)
         if os.path.isdir(path):
@@ -251,14 +252,18 @@ def main() -> None:
     job = json.loads(subprocess.run(SHARDLOADER + ["report", "--job", job_dir, "--json", "--plot", job_png],
                                     cwd=ROOT, check=True, capture_output=True, text=True).stdout)
 
-    print("\n== 6. recovery without a human: torchrun restarts a killed rank by itself", flush=True)
-    restart = automatic_restart(
-        ["--data", shards, "--steps", str(3 * args.checkpoint_every), "--batch-size",
-         str(args.batch_size // 2), "--workers", "1", "--crop", "64"],
-        os.path.join(out, "checkpoints-restarted"), args.checkpoint_every)
+    print("\n== 6. recovery without a human: a preemption notice, then torchrun restarts a killed "
+          "rank by itself", flush=True)
+    recovery_args = ["--data", shards, "--steps", str(3 * args.checkpoint_every), "--batch-size",
+                     str(args.batch_size // 2), "--workers", "1", "--crop", "64"]
+    recovery_dir = os.path.join(out, "checkpoints-recovery")
+    notice = preemption_notice(recovery_args, recovery_dir, args.checkpoint_every)
+    restart = automatic_restart(recovery_args, recovery_dir, args.checkpoint_every)
     endings = [a["ended"] for a in restart["attempts"]]
+    preempted = (notice["saved"] is not None and endings[:1] == ["preempted_saved"]
+                 and restart["attempts"][0]["lost"] == 0)
     restarted = (restart["exit_code"] == 0 and restart["resumed_from"] is not None
-                 and len(endings) == 2 and endings[1] == "finished")
+                 and endings[1:] == ["killed", "finished"])
 
     reference = torch.load(os.path.join(out, "final-reference.pt"), weights_only=True)
     resumed = torch.load(os.path.join(out, "final-resumed.pt"), weights_only=True)
@@ -288,6 +293,9 @@ def main() -> None:
           f"trained twice {job['samples']['trained_twice']}, never {job['samples']['never_trained']} "
           f"(timeline: {job_png})")
     print(f"exact resume          {verdict} final weights and optimizer state ({tensors} tensors, torch.equal)")
+    print(f"preemption notice     {'OK' if preempted else 'FAILED'}: SIGTERM to torchrun, both ranks "
+          f"saved step {notice['saved']} and exited, {notice['notice_seconds'] or float('nan'):.1f} s "
+          f"after the signal; steps lost {restart['attempts'][0]['lost'] if restart['attempts'] else '?'}")
     print(f"automatic restart     {'OK' if restarted else 'FAILED'}: rank 1 SIGKILLed at step "
           f"{restart['killed_at']}, torchrun restarted the group with no manual step, resumed "
           f"from step {restart['resumed_from']} "
@@ -306,7 +314,7 @@ def main() -> None:
         print(f"processes left        {len(left)} STILL ALIVE: "
               + "; ".join(f"pid {pid} {cmd[:100]}" for pid, cmd in left))
     print(f"demo took             {time.perf_counter() - started:.0f} s")
-    sys.exit(0 if equal and restarted and not left else 1)
+    sys.exit(0 if equal and preempted and restarted and not left else 1)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--watchdog", type=float, default=None,
                    help="end a rank that makes no step progress for this many seconds (exit 124)")
+    p.add_argument("--preemption", type=float, default=None,
+                   help="on SIGTERM, save the current step on every rank within this many seconds, "
+                        "then exit 75 (76 when it could not)")
     return p.parse_args(argv)
 
 
@@ -146,8 +149,8 @@ def main(argv: list[str] | None = None) -> dict:
         model = nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
 
-    ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep, watchdog_seconds=args.watchdog) \
-        if args.checkpoint_dir else None
+    ckpt = Checkpointer(args.checkpoint_dir, keep=args.keep, watchdog_seconds=args.watchdog,
+                        preemption=args.preemption) if args.checkpoint_dir else None
     step = 0
     if args.resume and ckpt is not None and ckpt.latest() is not None:
         step = ckpt.load(model=model, optimizer=optimizer, loader=loader)
@@ -168,7 +171,10 @@ def main(argv: list[str] | None = None) -> dict:
             samples += batch["label"].numel()
             if record is not None:
                 record.write(json.dumps({"step": step, "rank": rank, "indices": batch["__index__"].tolist()}) + "\n")
-            if ckpt is not None and step % args.checkpoint_every == 0:
+            preempted = ckpt is not None and ckpt.preempted()  # a SIGTERM came: save now (all ranks)
+            if preempted and args.announce:
+                announce(f"PREEMPTED {step}")  # the save below commits this step, then exits 75
+            if ckpt is not None and (preempted or step % args.checkpoint_every == 0):
                 ckpt.save(step, model=model, optimizer=optimizer, loader=loader)
                 if args.announce:
                     announce(f"SAVE {step}")

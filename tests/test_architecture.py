@@ -25,7 +25,7 @@ FLOORS: list[set[str]] = [
     {"source"},
     {"dataset", "checkpoint"},
     {"loader", "ingest"},
-    {"<api>"},
+    {"<api>", "spark", "ray"},
     {"cli"},
 ]
 MAX_LINES = 500

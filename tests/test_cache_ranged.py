@@ -357,6 +357,28 @@ def test_without_worker_processes_the_imports_are_done_while_the_first_batch_is_
     assert events[0] == "warm_up" and events.count("warm_up") == 1
 
 
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_slow_first_fetch_warns_with_what_happens_next(arrow_dir, s3_server, s3_url, fault_proxy, tmp_path,
+                                                          monkeypatch, num_workers):
+    """Past the wait for the first batch's bytes, the warning says what the loader does then:
+    start its workers, or (without workers) read the first batch itself; either way the batch
+    is the one a warm loader gives."""
+    from shardloader.loader import prefetch_policy
+
+    monkeypatch.setattr(prefetch_policy, "_PRIME_SECONDS", 0.01)
+    proxy = fault_proxy(s3_server.endpoint, latency=0.3)
+    ds = Dataset(s3_url(arrow_dir), cache_dir=str(tmp_path / "cache"), cache_limit="1GB",
+                 storage_options=s3_server.storage_options(proxy.url))
+    loader = Loader(ds, batch_size=16, seed=3, shuffle=True, num_workers=num_workers, partitions=4, window=2,
+                    transform=noisy_crop)
+    want = take(Loader(Dataset(arrow_dir), batch_size=16, seed=3, shuffle=True, partitions=4, window=2,
+                       transform=noisy_crop), 1)
+    then = "starting the workers anyway" if num_workers else "reading the first batch anyway"
+    with pytest.warns(UserWarning, match=rf"^fetching the first batch's bytes took over 0.01 s; {then}"):
+        assert take(loader, 1) == want
+    loader.close()
+
+
 def test_a_range_budget_takes_the_fewest_requests_that_fit_it():
     from shardloader.source.span_requests import coalesce, gaps_by_cost
 

@@ -40,7 +40,7 @@ def test_options_map_onto_botocores_client_and_request():
                         "aws_access_key_id": "k", "aws_secret_access_key": "s",
                         "aws_session_token": "t"}
     assert o.config == {"read_timeout": 7, "max_pool_connections": 5,
-                        "retries": {"total_max_attempts": 1}}  # shardloader.io.transfer retries
+                        "retries": {"total_max_attempts": 1, "mode": "adaptive"}}  # see below
     assert o.request == {"SSECustomerAlgorithm": "AES256", "RequestPayer": "requester"}
 
 

@@ -265,7 +265,7 @@ def damaged(change) -> dict:
         (lambda r: r["events"][2].update(cursor=None), r"event 2 \(save\): field 'cursor': expected a number"),
         (lambda r: r["events"][2].pop("time"), r"event 2 \(save\): field 'time' missing"),
         (lambda r: r["events"].append({"event": "end", "time": 1.0, "how": "gone", "error": None}),
-         r"field 'how': expected one of \('finished', 'failed', 'hung'\), got 'gone'"),
+         r"field 'how': expected one of"),
         (lambda r: r["events"].append(7), r"event \d+: expected an object"),
     ],
 )  # fmt: skip

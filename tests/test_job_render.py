@@ -85,8 +85,8 @@ def test_text_gives_the_figures_and_names_the_largest_badput():
     assert "  between attempts       28.00 s     9.3%" in lines
     assert "  total                 300.00 s   100.0%" in lines
     assert "cost" not in text.split("attempts\n", 1)[0].split("% wall")[1]  # no prices, no money
-    assert "  20270115T080100-00000001 killed           1..70     20   100.00 s     8.00 s    10.00 s" in lines
-    assert "  20270115T080300-00000003 finished      101..160      0    92.00 s     8.00 s     8.00 s" in lines
+    assert "  20270115T080100-00000001 killed                  1..70     20   100.00 s     8.00 s    10.00 s" in lines
+    assert "  20270115T080300-00000003 finished             101..160      0    92.00 s     8.00 s     8.00 s" in lines
     assert "samples            trained 6,080   recomputed 960   trained twice 0   never trained 0" in lines
     assert "bytes              remote read 1.2 GB   cache hits 5.6 MB   redownloaded 0 B" in lines
     assert "                   checkpoint written 48.0 MB   cache peak 900.0 MB" in lines

@@ -219,7 +219,7 @@ def test_a_hung_rank_ends_its_attempt_and_torchrun_restarts_the_group(tmp_path, 
     assert hung["how"] == "hung", ends
     assert hung["error"].startswith("rank 1 made no step progress for "), hung["error"]
     assert "in hang_in_step" in hung["error"]
-    assert hung["error"] in report["attempts"][0]["error"]  # the report shows the stuck rank's stack
+    assert hung["error"] in report["attempts"][0]["reason"]  # the report shows the stuck rank's stack
     stalled = float(hung["error"].split("for ")[1].split(" s ")[0])
     assert bound <= stalled < bound + 1.0
     print(f"hung rank seen after {stalled:.2f} s (bound {bound} s); hang -> every rank started "

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from types import SimpleNamespace
 
 import pytest
 
@@ -57,8 +58,8 @@ def test_a_step_that_hangs_ends_the_process_within_the_bound_naming_where_it_wai
 
     report = account(read_job_dir(str(tmp_path / "ckpt")))
     (attempt,) = report["attempts"]
-    assert attempt["ended"] == "hung" and "in hang_in_step" in attempt["error"]
-    assert attempt["error"].startswith("rank 0 made no step progress")
+    assert attempt["ended"] == "hung" and "in hang_in_step" in attempt["reason"]
+    assert attempt["reason"].startswith("rank 0 made no step progress")
     assert latency < BOUND + 5.0  # detection, record, grace and exit, on a loaded machine
     print(f"stalled {stalled:.2f} s when found (bound {BOUND} s); hang -> exit seen {latency:.2f} s")
 
@@ -91,10 +92,16 @@ def test_watchdog_seconds_is_checked_before_anything_is_written(tmp_path):
     assert not os.path.exists(tmp_path / "ckpt")
 
 
-def test_an_attempt_is_hung_when_any_rank_hung_and_its_error_holds_every_hung_rank():
-    assert attempt_ending([("failed", "Connection closed by peer"), ("hung", "rank 1 made no")]) \
-        == ("hung", "rank 1 made no")
-    assert attempt_ending([("hung", "rank 0 a"), ("hung", "rank 1 b")]) == ("hung", "rank 0 a\nrank 1 b")
-    assert attempt_ending([(None, None), ("failed", "E")]) == ("failed", "E")
-    assert attempt_ending([("finished", None), (None, None)]) == ("killed", None)
-    assert attempt_ending([("finished", None)] * 2) == ("finished", None)
+def _ranks(*endings):
+    """Ranks as the account parses them: (ending or None for a rank that recorded none, error)."""
+    return [SimpleNamespace(rank=i, how=how, error=error, end_time=None if how is None else 10.0 + i,
+                            end_fields={}, c={"heartbeat_time": 5.0})
+            for i, (how, error) in enumerate(endings)]
+
+
+def test_an_attempt_is_hung_when_any_rank_hung_and_its_reason_holds_every_hung_rank():
+    assert attempt_ending(_ranks(("failed", "Connection closed by peer"), ("hung", "made no step"))) \
+        == ("hung", None, "rank 1: made no step")
+    assert attempt_ending(_ranks(("hung", "a"), ("hung", "b"))) == ("hung", None, "rank 0: a\nrank 1: b")
+    assert attempt_ending(_ranks(("finished", None), (None, None)))[0] == "killed"
+    assert attempt_ending(_ranks(("finished", None), ("finished", None))) == ("finished", None, None)

@@ -6,5 +6,7 @@ See `Checkpointer` and docs/checkpoint.md (commit protocol, what "complete" mean
 from shardloader.checkpoint.catalog import CheckpointWarning
 from shardloader.checkpoint.checkpointer import Checkpointer
 from shardloader.checkpoint.handle import CheckpointHandle
+from shardloader.checkpoint.preemption import EXIT_PREEMPTED, EXIT_PREEMPTED_LOST, Preemption
 
-__all__ = ["CheckpointHandle", "CheckpointWarning", "Checkpointer"]
+__all__ = ["EXIT_PREEMPTED", "EXIT_PREEMPTED_LOST", "CheckpointHandle", "CheckpointWarning",
+           "Checkpointer", "Preemption"]

@@ -26,6 +26,7 @@ from typing import Any
 
 import shardloader.checkpoint.catalog as catalog
 import shardloader.checkpoint.commit as commit
+import shardloader.checkpoint.preemption as preempting
 import shardloader.checkpoint.restore as restore
 import shardloader.checkpoint.tenure as tenure
 from shardloader.checkpoint.commit import CommitSetup, PhaseHook
@@ -35,6 +36,7 @@ from shardloader.checkpoint.handle import CheckpointHandle
 from shardloader.checkpoint.job import open_job, refuse_if_in_use
 from shardloader.checkpoint.layout import CheckpointLayout, LayoutContext
 from shardloader.checkpoint.manifest import checkpoint_id
+from shardloader.checkpoint.preemption import Preemption
 from shardloader.checkpoint.single_layout import SingleFileLayout
 from shardloader.checkpoint.staging import StagingPool
 from shardloader.checkpoint.storage import LocalStore, Store, open_store
@@ -79,6 +81,12 @@ class Checkpointer:
         `ckpt.watchdog.paused(...)`, naming the rank and where it waits; the attempt ends
         "hung" and torchrun --max-restarts starts it again (`telemetry.job.watchdog`).
         None: no watch.
+    preemption: turn a preemption notice (SIGTERM, or the signals of a `Preemption`) into a
+        saved step: True (SIGTERM, a 25 s deadline), a deadline in seconds, or a `Preemption`.
+        The loop asks `preempted()` once a step and saves when it says so; that save commits
+        the step and exits with status 75, or 76 when the deadline passed first
+        (`shardloader.checkpoint.preemption`; docs/recovery.md). Default: off (SIGTERM ends
+        the process at once, as without shardloader).
     """
 
     def __init__(
@@ -98,6 +106,7 @@ class Checkpointer:
         timeout: timedelta = timedelta(minutes=30),
         job: str | None = None,
         watchdog_seconds: float | None = None,
+        preemption: bool | float | Preemption | None = None,
         _phase_hook: PhaseHook | None = None,
     ) -> None:
         if on_busy not in ON_BUSY:
@@ -109,6 +118,7 @@ class Checkpointer:
         if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be a positive timedelta, got {timeout!r}")
         checked_seconds(watchdog_seconds)
+        notice_config = preempting.preemption_config(preemption)
         self.keep = keep
         self.on_busy = on_busy
         self.telemetry = telemetry
@@ -161,6 +171,11 @@ class Checkpointer:
         self._at_exit = _ExitWait(weakref.ref(self))
         atexit.register(self._at_exit)
         self.watchdog = Watchdog(self._attempt, watchdog_seconds)  # after: it stops at exit first
+        self._notice = None
+        if notice_config is not None:
+            ref = weakref.ref(self)
+            self._notice = preempting.Notice(notice_config, lambda: preempting.at_deadline(ref()))
+            weakref.finalize(self, self._notice.close)  # a dropped Checkpointer's handlers go too
 
     # ------------------------------------------------------------------------------ setup
     def _layout_named(self, name: str) -> CheckpointLayout:
@@ -210,6 +225,9 @@ class Checkpointer:
         A value that cannot be stored as plain data is a CheckpointError naming its key.
         """
         t_call = time.perf_counter()
+        if self._notice is not None and self._notice.agreed and not self._closed:
+            preempting.save_and_exit(self, step, lambda: self._save(
+                t_call, step, model, optimizer, loader, extra))
         try:
             return self._save(t_call, step, model, optimizer, loader, extra)
         finally:
@@ -248,6 +266,15 @@ class Checkpointer:
             self._attempt.on_save_failed(step, ckpt_id, exc)
             raise
         return handle
+
+    def preempted(self) -> bool:
+        """Whether a preemption notice came (`preemption=`): ask once a step, and call `save()`
+        when it says True: that save commits this step and exits the process (status 75).
+        Collective under torch.distributed (every rank answers the same, at the same step).
+        False when preemption is off."""
+        if self._notice is None or self._closed:
+            return False
+        return preempting.agree(self._notice, self._group)
 
     # ---------------------------------------------------------------------------- errors, wait
     def _check_open(self) -> None:
@@ -324,6 +351,8 @@ class Checkpointer:
                           None if error is None else f"{type(error).__name__}: {error}")
             self._closed = True
             self.watchdog.stop()
+            if self._notice is not None:
+                self._notice.close()
             atexit.unregister(self._at_exit)
             if self._inflight is None or self._inflight.done():  # else the writer still uses them
                 self._pool.release()
@@ -423,7 +452,7 @@ class _ExitWait:
 
     def __call__(self) -> None:
         ckpt = self.ref()
-        if ckpt is None or ckpt._closed or ckpt._inflight is None:
+        if ckpt is None or ckpt._closed or ckpt._inflight is None or ckpt._setup.abandoned.is_set():
             return
         handle = ckpt._inflight
         limit = ckpt.timeout.total_seconds()

@@ -74,6 +74,22 @@ class CommitSetup:
     # set when a newer Checkpointer of the root in this process took over (`tenure`): from then
     # on retention deletes nothing, also for a save already in flight
     retired: threading.Event = field(default_factory=threading.Event)
+    # set past a preemption deadline (`preemption.end_lost`): from then on no manifest is
+    # written, so no checkpoint completes after the process said "not saved"
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    manifest_lock: threading.Lock = field(default_factory=threading.Lock)
+    written: set[str] = field(default_factory=set)  # ids whose manifest this process wrote
+
+    def abandon(self, wait_s: float = 1.0) -> set[str]:
+        """Write no manifest from now on; returns the ids whose manifest was written before.
+        Waits at most `wait_s` for a manifest being written (a hung remote write is left)."""
+        locked = self.manifest_lock.acquire(timeout=wait_s)
+        try:
+            self.abandoned.set()
+            return set(self.written)
+        finally:
+            if locked:
+                self.manifest_lock.release()
 
     def count(self, **amounts: float) -> None:
         with self.stats_lock:
@@ -248,6 +264,17 @@ def _write_manifest(setup: CommitSetup, handle: CheckpointHandle, staged: Staged
     if errors:
         return "; ".join(errors), None
     merged = {k: FileEntry(*v) for _, _, part in reports for k, v in part.items()}
+    with setup.manifest_lock:
+        if setup.abandoned.is_set():
+            return "abandoned: the preemption deadline passed before it was committed", None
+        outcome = _write_manifest_now(setup, handle, staged, merged)
+        if outcome[0] is None:
+            setup.written.add(handle.id)
+        return outcome
+
+
+def _write_manifest_now(setup: CommitSetup, handle: CheckpointHandle, staged: Staged,
+                        merged: dict[str, FileEntry]) -> tuple[str | None, BaseException | None]:
     try:
         manifest = Manifest(
             id=handle.id, step=handle.step, sequence=catalog.next_sequence(setup.store),

@@ -67,6 +67,9 @@ class Dataset:
     Building a Dataset opens the shards the index lists as empty (a `samples: 0` entry for a
     shard with rows is a ShardError) and refuses an index without samples (DatasetIndexError).
     Idle readers close early when the node cache needs their room.
+    `source_options` tunes how a remote dataset is read: further arguments of its shard source
+    (`RemoteSource`: `retry`, `chunk_size`, `parallel_ranges`, the `prefetch` knobs,
+    `full_timeout`, the `range_` knobs; docs/cache.md, "Knobs"), `retry` also for `index.json`.
     Under a Loader, rows of remote shards not yet in the node cache are read by byte range
     (verified against the index's range sidecars) while whole shards download behind; see
     `shardloader.source.ranged` and docs/cache.md.
@@ -84,14 +87,16 @@ class Dataset:
         max_open_shards: int = 16,
         decode: bool | Collection[str] = True,
         allow_links_outside_root: bool = False,
+        source_options: dict[str, Any] | None = None,
     ) -> None:
         self.url = os.fspath(path_or_url)
         self.storage_options = dict(storage_options or {})
-        self.index: Index = load_index(self.url, self.storage_options)
+        source_options = _checked_source_options(self.url, source_options)
+        self.index: Index = load_index(self.url, self.storage_options, retry=source_options.get("retry"))
         self.source: ShardSource = _make_source(
             self.url, cache_dir=cache_dir, cache_limit=cache_limit,
             storage_options=self.storage_options, verify=verify,
-            allow_links_outside_root=allow_links_outside_root,
+            allow_links_outside_root=allow_links_outside_root, source_options=source_options,
         )
         self.max_open_shards = max_open_shards
         self._tar_decode = decoded_fields(list(self.index.schema), decode)
@@ -408,10 +413,37 @@ def _make_source(
     storage_options: dict[str, Any],
     verify: bool,
     allow_links_outside_root: bool,
+    source_options: dict[str, Any],
 ) -> ShardSource:
     if is_local(url):
         return LocalSource(strip_file_scheme(url), verify=verify,
                            allow_links_outside_root=allow_links_outside_root)
     from shardloader.source.remote import RemoteSource  # the cache issue provides this
 
-    return RemoteSource(url, cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options)
+    return RemoteSource(url, cache_dir=cache_dir, cache_limit=cache_limit, storage_options=storage_options,
+                        **source_options)
+
+
+#: `Dataset` arguments of its own that `source_options` may not repeat.
+_OWN_SOURCE_ARGUMENTS = frozenset({"url", "cache_dir", "cache_limit", "storage_options"})
+
+
+def _checked_source_options(url: str, options: dict[str, Any] | None) -> dict[str, Any]:
+    """`options` when every key is a `RemoteSource` argument and `url` is remote; else a
+    ValueError naming the argument and what is wrong (a local dataset has no download to tune)."""
+    options = dict(options or {})
+    if not options:
+        return options
+    if is_local(url):
+        raise ValueError(f"source_options: {url!r} is a local dataset, read in place; "
+                         f"{sorted(options)} only tune reading a remote one")
+    import inspect
+
+    from shardloader.source.remote import RemoteSource
+
+    known = set(inspect.signature(RemoteSource).parameters) - _OWN_SOURCE_ARGUMENTS
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"source_options: unknown {unknown} (the Dataset's own arguments are passed "
+                         f"as such; the others are {sorted(known)})")
+    return options

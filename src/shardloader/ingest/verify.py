@@ -13,11 +13,18 @@ A remote dataset is read through the process's client of `shardloader.io.clients
 shard cache's retries (`shardloader.io.objects`): transient errors (5xx, resets, timeouts) are
 retried with backoff, and a permanent one other than a missing file (403, ...) raises FetchError
 naming the URL, since no file can be checked then.
+
+`unindexed_files` lists what lies beside the index without being named by it: shard and
+sidecar files, a writer's hidden temporaries, an engine write's manifests (``_parts/``). Such
+files do not change what the dataset holds (readers go by the index), so they are not problems;
+they are what a killed or duplicated task left (`shardloader.ingest.parts`), and cost space.
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
+import re
 import warnings
 from typing import Any
 
@@ -26,11 +33,11 @@ from tqdm.auto import tqdm
 from shardloader.errors import ShardloaderError
 from shardloader.format.index import Index, ShardInfo
 from shardloader.format.ranges import RANGES_KEY
-from shardloader.format.registry import open_shard, shard_format
+from shardloader.format.registry import FORMATS, open_shard, shard_format
 from shardloader.format.tar import OFFSETS_KEY
 from shardloader.io.checksum import checksum_file, format_checksum, new_hasher, parse_checksum
 from shardloader.io.clients import filesystem
-from shardloader.io.objects import object_size, read_chunks
+from shardloader.io.objects import list_directory, object_size, read_chunks
 from shardloader.io.paths import (
     is_local,
     join_url,
@@ -153,3 +160,45 @@ def verify_dataset(
                     problems.append(problem)
             bar.update(shard.bytes)
     return problems
+
+
+#: A writer's hidden temporary file (`shardloader.ingest.target.OutputDir.temp_path`).
+_TEMPORARY = re.compile(r"\..+\.tmp-\d+-\d+")
+_SIDECAR_SUFFIXES = (".idx", ".ranges")
+_PARTS_DIR = "_parts"  # shardloader.ingest.parts.PARTS_DIR (that module imports this one)
+
+
+def indexed_names(index: Index) -> set[str]:
+    """Every file path the index names: its shards and their sidecars."""
+    names = set()
+    for shard in index.shards:
+        names.add(shard.path)
+        names.update(e["path"] for e in shard.extra.values() if isinstance(e, dict) and "path" in e)
+    return names
+
+
+def unindexed_files(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None,
+                    index: Index | None = None) -> list[str]:
+    """The URLs of files directly in the dataset root that look like shards, sidecars or a
+    writer's temporaries but that the index does not name, and of manifests left in
+    ``_parts/``; sorted. (`index`: the dataset's, when already loaded.)"""
+    url = os.fspath(url)
+    index = index if index is not None else load_index(url, storage_options)
+    from shardloader.format.index_table import TABLE_NAME
+
+    named = indexed_names(index) | {TABLE_NAME}
+    suffixes = tuple(f.suffix for f in FORMATS.values()) + _SIDECAR_SUFFIXES
+    found = []
+    for folder, every in ((url, False), (join_url(url, _PARTS_DIR), True)):
+        fs, root = filesystem(folder, storage_options, full_interface=True)
+        try:
+            entries = list_directory(fs, root, folder)
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            name = posixpath.basename(entry["name"].rstrip("/"))
+            if entry.get("type") != "file" or (not every and name in named):
+                continue
+            if every or name.endswith(suffixes) or _TEMPORARY.fullmatch(name):
+                found.append(join_url(folder, name))
+    return sorted(found)

@@ -32,7 +32,7 @@ import itertools
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -46,13 +46,11 @@ from shardloader.format.schema import (
     ARROW_VALUE_LIMIT,
     arrow_type,
     build_array,
-    infer_type,
-    needs_large,
-    value_fits,
     value_nbytes,
 )
 from shardloader.format.tar import KEY_FIELD, OFFSETS_KEY, offsets_entry, sidecar_path
 from shardloader.format.tar_writer import TarShardWriter, check_tar_field
+from shardloader.ingest.samples import SampleSchema, large_fields
 from shardloader.ingest.shuffled import (
     DEFAULT_INDEX_FIELD,
     is_sequence,
@@ -72,80 +70,6 @@ _BATCH_BYTES = 16 << 20  # payload bytes per Arrow record batch, at most
 # are reopened).
 _SPILL_SHARD_BYTES = 2 << 30
 _SPILL_OPEN_SHARDS = 128
-
-
-def is_meta_field(name: str) -> bool:
-    """True for metadata fields (``__url__``, ``__index__`` ...) that are never stored."""
-    return name != KEY_FIELD and len(name) > 4 and name.startswith("__") and name.endswith("__")
-
-
-def _describe(value: Any) -> str:
-    try:
-        return f"a value of type {infer_type(value)}"
-    except SchemaError as e:
-        return f"an unstorable value ({e})"
-
-
-class SampleSchema:
-    """The fields and type names every sample must match."""
-
-    def __init__(self, types: Mapping[str, str]) -> None:
-        if not types:
-            raise SchemaError("the schema has no fields")
-        for field, name in types.items():
-            if not isinstance(field, str) or not field:
-                raise SchemaError(f"field name {field!r} must be a non-empty string")
-            try:
-                arrow_type(name)
-            except SchemaError as e:
-                raise SchemaError(f"field {field!r}: {e}") from None
-        if KEY_FIELD in types and types[KEY_FIELD] != "string":
-            raise SchemaError(f"field {KEY_FIELD!r} must be of type string, not {types[KEY_FIELD]}")
-        self.types = dict(types)
-
-    @classmethod
-    def infer(cls, sample: Any, number: int = 0) -> SampleSchema:
-        """The schema of `sample` (sample `number` of the input, for messages)."""
-        if not isinstance(sample, Mapping):
-            raise SchemaError(f"sample {number}: expected a dict of fields, got {type(sample).__name__}")
-        types = {}
-        for field, value in sample.items():
-            if not isinstance(field, str):
-                raise SchemaError(f"sample {number}: field name {field!r} is not a string")
-            if is_meta_field(field):
-                continue
-            try:
-                types[field] = infer_type(value)
-            except SchemaError as e:
-                raise SchemaError(f"sample {number}: field {field!r}: {e}") from None
-        if not types:
-            raise SchemaError(f"sample {number}: has no fields to store")
-        return cls(types)
-
-    def check(self, sample: Any, number: int) -> dict[str, Any]:
-        """The stored fields of `sample`, or SchemaError naming sample `number` and the field."""
-        if not isinstance(sample, Mapping):
-            raise SchemaError(f"sample {number}: expected a dict of fields, got {type(sample).__name__}")
-        values = {k: v for k, v in sample.items() if not (isinstance(k, str) and is_meta_field(k))}
-        if values.keys() != self.types.keys():
-            missing = [f for f in self.types if f not in values]
-            extra = [f for f in values if f not in self.types]
-            raise SchemaError(
-                f"sample {number}: fields differ from the schema (missing {missing}, "
-                f"unexpected {extra})"
-            )
-        for field, value in values.items():
-            if not value_fits(value, self.types[field]):
-                raise SchemaError(
-                    f"sample {number}: field {field!r} holds {_describe(value)}, but the schema "
-                    f"type is {self.types[field]}"
-                )
-        return values
-
-
-def large_fields(values: Mapping[str, Any], schema: SampleSchema) -> frozenset[str]:
-    """The fields of a sample's `values` that need a large Arrow column (over 2 GiB)."""
-    return frozenset(f for f, v in values.items() if needs_large(v, schema.types[f]))
 
 
 class _ArrowShard:
@@ -308,23 +232,59 @@ def write_shards(
         raise ValueError(f"shard_samples must be positive or None, got {shard_samples}")
     out = os.fspath(out)
     target = OutputDir(out, storage_options)
-    if target.exists(INDEX_NAME):
-        if not overwrite:
-            target.close()
-            raise _exists_error(target)
-        target.remove(INDEX_NAME)
+    written: list[str] = []
+    try:
+        if target.exists(INDEX_NAME):
+            if not overwrite:
+                raise _exists_error(target)
+            target.remove(INDEX_NAME)
+        stored, infos = write_shard_files(
+            samples, target, _shard_name, written, shard_bytes=shard_bytes,
+            shard_samples=shard_samples, format=format, schema=schema, progress=progress)
+        if not infos:
+            raise ShardloaderError(f"{out}: no samples to write (the input is empty); nothing was written")
+        index = Index(schema=stored, shards=tuple(infos))
+        write_index(target, index, shard_table, written)
+        return index
+    except BaseException:
+        for name in written:
+            target.remove(name)
+        raise
+    finally:
+        target.close()
+
+
+def write_shard_files(
+    samples: Iterable[Mapping[str, Any]],
+    target: OutputDir,
+    name_of: Callable[[int, str], str],
+    written: list[str],
+    *,
+    shard_bytes: int,
+    shard_samples: int | None = None,
+    format: str = "arrow",
+    schema: Mapping[str, str] | None = None,
+    progress: bool = False,
+    on_shard: Callable[[ShardInfo], None] | None = None,
+) -> tuple[dict[str, str], list[ShardInfo]]:
+    """Write `samples` as shards into `target`, shard k named `name_of(k, extension)`; no index.
+
+    Returns (the schema the index records, the shards' index entries); (schema or {}, []) for
+    an empty input. Every file made appears whole and is appended to `written` (the caller
+    removes them on a later error); a shard being written when an error comes is discarded.
+    `on_shard` is called with each shard's entry once its files have appeared.
+    """
     spec = SampleSchema(schema) if schema is not None else None
     if spec is not None:
         _check_fields_for_format(spec, format)
     shard_cls = _ArrowShard if format == "arrow" else _TarShard
-    written: list[str] = []
     infos: list[ShardInfo] = []
     current: _ArrowShard | _TarShard | None = None
     current_temp = ""
     current_bytes = 0
     try:
         for number, sample in enumerate(tqdm(samples, disable=not progress, unit="sample",
-                                             desc=f"writing {out}")):
+                                             desc=f"writing {target.url}")):
             if spec is None:
                 spec = SampleSchema.infer(sample, number)
                 _check_fields_for_format(spec, format)
@@ -336,26 +296,21 @@ def write_shards(
                 or current_bytes + nbytes > shard_bytes
                 or not current.holds(large)
             ):
-                infos.append(_finish(target, current, current_temp, len(infos), written))
+                infos.append(_finish(target, current, current_temp, name_of(len(infos), current.extension), written))
                 current = None
+                if on_shard is not None:
+                    on_shard(infos[-1])
             if current is None:
-                current_temp = target.temp_path(_shard_name(len(infos), shard_cls.extension))
+                current_temp = target.temp_path(name_of(len(infos), shard_cls.extension))
                 current = shard_cls(current_temp, spec, large)
                 current_bytes = 0
             current.add(values, nbytes, number)
             current_bytes += nbytes
         if current is not None:
-            infos.append(_finish(target, current, current_temp, len(infos), written))
+            infos.append(_finish(target, current, current_temp, name_of(len(infos), current.extension), written))
             current = None
-        if not infos:
-            raise ShardloaderError(f"{out}: no samples to write (the input is empty); nothing was written")
-        assert spec is not None
-        stored = spec.types if format == "arrow" else {
-            f: "binary" for f in spec.types if f != KEY_FIELD
-        }
-        index = Index(schema=stored, shards=tuple(infos))
-        write_index(target, index, shard_table, written)
-        return index
+            if on_shard is not None:
+                on_shard(infos[-1])
     except BaseException:
         if current is not None:
             try:
@@ -364,11 +319,11 @@ def write_shards(
                 pass
         if current_temp:
             discard(current_temp)
-        for name in written:
-            target.remove(name)
         raise
-    finally:
-        target.close()
+    if spec is None:
+        return dict(schema or {}), infos
+    stored = spec.types if format == "arrow" else {f: "binary" for f in spec.types if f != KEY_FIELD}
+    return stored, infos
 
 
 @contextlib.contextmanager
@@ -472,10 +427,9 @@ def _shard_name(number: int, extension: str) -> str:
 
 
 def _finish(
-    target: OutputDir, shard: _ArrowShard | _TarShard, temp: str, number: int, written: list[str]
+    target: OutputDir, shard: _ArrowShard | _TarShard, temp: str, name: str, written: list[str]
 ) -> ShardInfo:
-    """Close `shard`, checksum it, make it (and a tar's sidecar) appear; its index entry."""
-    name = _shard_name(number, shard.extension)
+    """Close `shard`, checksum it, make it (and a tar's sidecar) appear as `name`; its entry."""
     shard.close()
     checksum, size = checksum_file(temp)
     extra: dict[str, Any] = {}

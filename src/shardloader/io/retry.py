@@ -8,7 +8,12 @@ empty body. The rules look through an exception's cause chain for an HTTP status
 quota exceeded, read-only), which no wait fixes.
 
 The backoff is exponential with jitter and bounded twice, in attempts and in total seconds
-(`RetryPolicy`). `shardloader.io.transfer` applies it to byte ranges (keeping what already
+(`RetryPolicy`). An answer that asks the client to slow down (`is_throttle`: S3's ``503
+SlowDown``, HTTP 429) spends no attempt: it is the server pacing its clients, not a failure of
+the object, and S3 answers it for as long as a prefix is being partitioned for a higher rate
+(minutes). Its backoff grows as any retry's, and the deadline bounds it. Measured with 64
+nodes behind a proxy that throttles one prefix to 20 GET/s (`benchmarks/many_nodes.py`):
+prefetches and sidecar reads gave up after 10 slow-downs in ~30 s, while the data was there. `shardloader.io.transfer` applies it to byte ranges (keeping what already
 arrived); `retrying` applies it to one call made as a whole (a listing, a size, a put).
 
 Stalls. A server that stops answering costs a read timeout per attempt, and one read of a
@@ -38,6 +43,9 @@ from typing import TypeVar
 from shardloader.errors import FetchError
 
 TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+#: The error codes by which S3 (and AWS's other services) ask a client to slow down.
+THROTTLE_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                            "TooManyRequestsException", "RequestThrottled", "RequestThrottledException"})
 _PERMANENT_TYPES: tuple[type[BaseException], ...] = (
     FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
 )
@@ -118,6 +126,22 @@ def http_status(exc: BaseException) -> int | None:
             if isinstance(code, int):
                 return code
     return None
+
+
+def is_throttle(exc: BaseException) -> bool:
+    """True when `exc` is the server asking to slow down: HTTP 429, or an error code of
+    THROTTLE_CODES (S3's ``503 SlowDown``; a 503 without that code is a failure like a 500)."""
+    if http_status(exc) == 429:
+        return True
+    for current in cause_chain(exc):
+        code = getattr(current, "__dict__", {}).get("code")  # an attribute (S3HTTPError's), not
+        # a property: aiohttp's errors have a deprecated `code`, their status
+        response = getattr(current, "response", None)
+        if code is None and isinstance(response, dict):
+            code = response.get("Error", {}).get("Code")
+        if isinstance(code, str) and code in THROTTLE_CODES:
+            return True
+    return False
 
 
 def is_refusal(exc: BaseException | None) -> bool:
@@ -261,6 +285,11 @@ def permanent_reason(error: BaseException) -> str:
     return f"permanent error: {describe(error)}"
 
 
+def slowed_down(throttled: int) -> str:
+    """For a give-up message: how many answers asked to slow down (spending no attempt)."""
+    return f" and {throttled} answers to slow down" if throttled else ""
+
+
 def pause(delay: float, url: str, cancel: threading.Event | None) -> None:
     """Wait `delay` seconds before a retry; FetchCancelled as soon as `cancel` is set."""
     if cancel is not None:
@@ -287,7 +316,8 @@ def retrying(
     policy = policy or RetryPolicy()
     rng = rng or random.Random()
     start = time.monotonic()
-    for attempt in range(policy.attempts):
+    failures = throttled = 0
+    while True:
         STALLS.check([url], policy)
         started = time.monotonic()
         try:
@@ -301,11 +331,14 @@ def retrying(
             STALLS.record(url, started, answered=answered(e), timed_out=is_timeout(e))
             if not is_transient(e):
                 raise FetchError(f"{url}: {permanent_reason(e)}") from e
-            delay = policy.backoff(attempt, rng)
-            if attempt + 1 >= policy.attempts or time.monotonic() + delay - start > policy.deadline:
+            if is_throttle(e):
+                throttled += 1
+            else:
+                failures += 1
+            delay = policy.backoff(failures + throttled - 1, rng)
+            if failures >= policy.attempts or time.monotonic() + delay - start > policy.deadline:
                 raise FetchError(
-                    f"{url}: giving up after {attempt + 1} failed attempts; last error: {describe(e)}"
-                ) from e
+                    f"{url}: giving up after {failures} failed attempts{slowed_down(throttled)}; "
+                    f"last error: {describe(e)}") from e
             STALLS.check([url], policy, delay)
             pause(delay, url, None)
-    raise AssertionError("unreachable")

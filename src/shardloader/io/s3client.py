@@ -27,8 +27,14 @@ file: the calls `shardloader.io.transfer` makes). `s3_reader` returns None, and 
 only for storage options that change how bytes are fetched in ways this module does not map
 (an aiobotocore ``session`` object, say), or when ``SHARDLOADER_S3_CLIENT=fsspec``.
 
-Retries are not done here: botocore's own are off unless the options' ``config_kwargs`` set
-``retries``, and a failed request raises FileNotFoundError (404), PermissionError (401/403,
+Retries are not done here: botocore's own are off (one attempt) unless the options'
+``config_kwargs`` set ``retries``. Its retry mode is "adaptive" all the same, for the rate
+limiter that comes with it: once S3 answers ``SlowDown``, botocore paces the client's requests
+(a token bucket per client, so per process, whose rate falls on each throttle and grows back
+after), where each request's own backoff alone would let a process's many concurrent reads
+keep offering more than the prefix serves. 16 nodes of 2 ranks against a prefix throttled to
+20 GET/s (`benchmarks/many_nodes.py`): 1,160 SlowDowns and a peak of 114 requests/s offered
+without it, 374 and 51 with it, in the same time. A failed request raises FileNotFoundError (404), PermissionError (401/403,
 no credentials), `S3HTTPError` (other statuses, with ``.status``) or botocore's network error,
 which `shardloader.io.transfer` classifies (`shardloader.io.retry`) and retries with its own
 backoff.
@@ -68,11 +74,13 @@ _MAPPED = frozenset({"key", "secret", "token", "anon", "profile", "endpoint_url"
 
 
 class S3HTTPError(OSError):
-    """An S3 answer other than 200/206 and other than 401/403/404 (`status`, URL, S3's code)."""
+    """An S3 answer other than 200/206 and other than 401/403/404 (`status`, URL, S3's `code`,
+    such as ``SlowDown``, or "")."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str = "") -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -103,7 +111,9 @@ def s3_options(storage_options: dict[str, Any], environ: Any = os.environ) -> S3
         if options.get(ours) is not None:
             client.setdefault(botos, options[ours])
     config = dict(options.get("config_kwargs") or {})
-    config.setdefault("retries", {"total_max_attempts": 1})  # shardloader.io.transfer retries
+    # One attempt: shardloader.io.transfer retries. Adaptive mode: after an answer asking to slow
+    # down, botocore's client-side rate limiter paces this process's requests (see the docstring).
+    config.setdefault("retries", {"total_max_attempts": 1, "mode": "adaptive"})
     request = dict(options.get("s3_additional_kwargs") or {})
     if options.get("requester_pays"):
         request.setdefault("RequestPayer", "requester")
@@ -293,7 +303,7 @@ def _error_for(path: str, error: Any) -> OSError:
         refused = PermissionError(message)
         refused.status = status  # type: ignore[attr-defined]
         return refused
-    return S3HTTPError(int(status), message)
+    return S3HTTPError(int(status), message, code)
 
 
 def s3_reader(url: str, storage_options: dict[str, Any]) -> S3Reader | None:

@@ -42,11 +42,13 @@ from shardloader.io.retry import (
     describe,
     endpoint_of,
     http_status,
+    is_throttle,
     is_timeout,
     is_transient,
     pause,
     permanent_reason,
     retrying,
+    slowed_down,
 )
 from shardloader.io.s3client import S3Reader
 
@@ -87,22 +89,25 @@ def download(
     stats = FetchStats()
     start = time.monotonic()
     deadline = start + policy.deadline
-    failures = 0
+    failures = throttled = 0  # a throttle (`is_throttle`) spends no attempt; the deadline bounds it
 
     def wait_before_retry(exc: BaseException) -> None:
-        nonlocal failures
-        failures += 1
+        nonlocal failures, throttled
+        if is_throttle(exc):
+            throttled += 1
+        else:
+            failures += 1
         stats.retries += 1
         if failures >= policy.attempts:
             raise FetchError(
-                f"{url}: giving up after {failures} failed attempts; last error: {describe(exc)}"
-            ) from exc
-        delay = policy.backoff(failures - 1, rng)
+                f"{url}: giving up after {failures} failed attempts{slowed_down(throttled)}; "
+                f"last error: {describe(exc)}") from exc
+        delay = policy.backoff(failures + throttled - 1, rng)
         if time.monotonic() + delay > deadline:
             raise FetchError(
                 f"{url}: giving up after {time.monotonic() - start:.1f} s (deadline "
-                f"{policy.deadline:g} s, {failures} failed attempts); last error: {describe(exc)}"
-            ) from exc
+                f"{policy.deadline:g} s, {failures} failed attempts{slowed_down(throttled)}); "
+                f"last error: {describe(exc)}") from exc
         STALLS.check([url], policy, delay)
         if on_retry is not None:
             on_retry(exc, delay)
@@ -238,7 +243,7 @@ def read_ranges(
     start = time.monotonic()
     out: list[bytes | None] = [None] * len(requests)
     pending = list(range(len(requests)))
-    failures = 0
+    failures = throttled = 0  # a throttle (`is_throttle`) spends no attempt; the deadline bounds it
     while pending:
         if cancel is not None and cancel.is_set():
             raise FetchCancelled(requests[pending[0]].url)
@@ -266,14 +271,17 @@ def read_ranges(
         pending = failed
         if pending:
             assert first_error is not None
-            failures += 1
+            if is_throttle(first_error):
+                throttled += 1
+            else:
+                failures += 1
             stats.retries += 1
             url = requests[pending[0]].url
-            delay = policy.backoff(failures - 1, rng)
+            delay = policy.backoff(failures + throttled - 1, rng)
             if failures >= policy.attempts or time.monotonic() + delay - start > policy.deadline:
                 raise FetchError(
-                    f"{url}: giving up on a byte-range read after {failures} failed attempts; "
-                    f"last error: {describe(first_error)}"
+                    f"{url}: giving up on a byte-range read after {failures} failed attempts"
+                    f"{slowed_down(throttled)}; last error: {describe(first_error)}"
                 ) from first_error
             STALLS.check({requests[i].url: None for i in pending}, policy, delay)
             pause(delay, url, cancel)

@@ -33,7 +33,8 @@ from shardloader.loader.plan import StepPlan, first_shards, shards_ahead
 from shardloader.loader.pool_keeper import PoolKeeper
 from shardloader.loader.protocol import LoaderDataset
 
-#: How long iter() waits for the first batch's bytes before it starts the workers anyway.
+#: How long iter() waits for the first batch's bytes before it starts the workers (or, without
+#: workers, reads the first batch) anyway.
 _PRIME_SECONDS = 30.0
 
 
@@ -76,8 +77,10 @@ class EpochPrefetch:
         workers.producer.warm_up()
         thread.join(_PRIME_SECONDS)
         if thread.is_alive():
-            warnings.warn(f"fetching the first batch's bytes took over {_PRIME_SECONDS:g} s; starting "
-                          "the workers anyway (they fetch what they need themselves)", stacklevel=5)
+            then = ("starting the workers anyway (they fetch what they need themselves)" if workers.num_workers
+                    else "reading the first batch anyway (this process fetches what it still needs itself)")
+            warnings.warn(f"fetching the first batch's bytes took over {_PRIME_SECONDS:g} s; {then}",
+                          stacklevel=5)
 
     def after_workers_started(self, depth: int) -> None:
         """`depth`: how many batches are about to be submitted."""

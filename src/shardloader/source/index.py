@@ -18,6 +18,7 @@ from typing import Any
 from shardloader.errors import DatasetIndexError
 from shardloader.format.index import INDEX_NAME, Index
 from shardloader.io.paths import is_local, join_url, strip_file_scheme
+from shardloader.io.retry import RetryPolicy
 from shardloader.runtime.heap import trim_heap
 
 #: Index files from this size on (about 4,000 shards) are followed by a heap trim: below it
@@ -25,8 +26,10 @@ from shardloader.runtime.heap import trim_heap
 _TRIM_BYTES = 1 << 20
 
 
-def load_index(url: str, storage_options: dict[str, Any] | None = None) -> Index:
-    """Read and validate `index.json` at dataset root `url` (local path or fsspec URL)."""
+def load_index(url: str, storage_options: dict[str, Any] | None = None, *,
+               retry: RetryPolicy | None = None) -> Index:
+    """Read and validate `index.json` at dataset root `url` (local path or fsspec URL); a remote
+    one (and its shard table) with `retry`'s backoff on transient errors (default: RetryPolicy())."""
     index_url = join_url(url, INDEX_NAME)
     try:
         if is_local(url):  # plain open: a local dataset loads no fsspec (~1 MB per process)
@@ -35,7 +38,7 @@ def load_index(url: str, storage_options: dict[str, Any] | None = None) -> Index
         else:  # remote: transient errors are retried with backoff, like shard downloads
             from shardloader.io.transfer import read_bytes
 
-            text = read_bytes(index_url, storage_options)
+            text = read_bytes(index_url, storage_options, policy=retry)
     except (FileNotFoundError, NotADirectoryError):
         from shardloader.format.roots import missing_index_message  # names what was passed
 
@@ -43,7 +46,7 @@ def load_index(url: str, storage_options: dict[str, Any] | None = None) -> Index
     size = len(text)
     try:
         if b'"shard_table"' in text:  # the table form (see shardloader.format.index_table)
-            return _load_table_form(url, index_url, text, storage_options)
+            return _load_table_form(url, index_url, text, storage_options, retry)
         return Index.loads(text, source=index_url)
     finally:
         del text
@@ -52,7 +55,7 @@ def load_index(url: str, storage_options: dict[str, Any] | None = None) -> Index
 
 
 def _load_table_form(url: str, index_url: str, text: bytes,
-                     storage_options: dict[str, Any] | None) -> Index:
+                     storage_options: dict[str, Any] | None, retry: RetryPolicy | None) -> Index:
     """An index whose shards are in a table file beside it: the file is mapped (local; forked
     workers share its pages) or read through the same helper as `index.json` (remote)."""
     from shardloader.format.index_table import TABLE_KEY, read_table, table_entry
@@ -73,7 +76,7 @@ def _load_table_form(url: str, index_url: str, text: bytes,
         else:
             from shardloader.io.transfer import read_bytes
 
-            table = read_bytes(table_url, storage_options)
+            table = read_bytes(table_url, storage_options, policy=retry)
     except (FileNotFoundError, NotADirectoryError):
         raise DatasetIndexError(f"{table_url}: the shard table that {index_url} names is missing") from None
     columns = read_table(table, entry, source=table_url)

@@ -45,7 +45,7 @@ _COUNTS = (
 _EVENT_FIELDS: dict[str, dict[str, Any]] = {
     "restore": {"step": "count", "checkpoint": "str", "cursor": "cursor?"},
     "save": {
-        "step": "count", "checkpoint": "str", "cursor": "count", "steps": "count",
+        "step": "count", "checkpoint": "str", "cursor": "cursor?", "steps": "count",
         "step_seconds": "seconds", "positions": "count",
     },
     "committed": {"step": "count", "checkpoint": "str"},
@@ -90,7 +90,7 @@ class Save:
 
     checkpoint: str
     step: int
-    cursor: int
+    cursor: int | None  # None: a save without a loader
     steps: int
     step_seconds: float
     positions: int
@@ -105,6 +105,7 @@ class Rank:
     end_time: float | None = None
     how: str | None = None
     error: str | None = None
+    end_fields: dict[str, Any] = field(default_factory=dict)  # the end event's other fields
     saves: dict[str, Save] = field(default_factory=dict)
     committed: dict[str, tuple[int, float]] = field(default_factory=dict)  # id -> (step, time)
     restore: dict[str, Any] | None = None  # the last restore event
@@ -151,6 +152,7 @@ def _events(rank: Rank, where: str, events: Any) -> None:
             rank.segments.append((ev["from_cursor"], ev["to_cursor"]))
         else:
             rank.end_time, rank.how, rank.error = time, ev["how"], ev["error"]
+            rank.end_fields = {k: raw[k] for k in ("rank", "signal") if isinstance(raw.get(k), (int, str))}
 
 
 def parse_rank(attempt_id: str, rank: Any, raw: Any) -> Rank:
@@ -190,6 +192,7 @@ class Attempt:
     end: float = 0.0
     ended: str = "killed"
     error: str | None = None
+    reason: str | None = None  # why it ended, in words (`endings.attempt_ending`)
 
 
 def parse_attempt(raw: Any, index: int, running: str | None) -> Attempt:
@@ -210,7 +213,7 @@ def parse_attempt(raw: Any, index: int, running: str | None) -> Attempt:
         a.end, a.ended = max(r.c["heartbeat_time"] for r in parsed), "finished"
         return a
     a.end = max(r.c["heartbeat_time"] if r.end_time is None else r.end_time for r in parsed)
-    a.ended, a.error = attempt_ending((r.how, r.error) for r in parsed)
+    a.ended, a.error, a.reason = attempt_ending(parsed)
     return a
 
 
@@ -309,7 +312,7 @@ def attempt_report(a: Attempt, is_last: bool, proven: set[str]) -> dict[str, Any
     bytes_ = {k: sum(int(r.c[src]) for r in a.ranks) for k, src in _BYTES.items()}
     bytes_["cache_peak"] = max(int(r.c["cache_peak"]) for r in a.ranks)
     return {
-        "id": a.id, "ended": a.ended, "error": a.error, "start": a.start, "end": a.end,
+        "id": a.id, "ended": a.ended, "error": a.error, "reason": a.reason, "start": a.start, "end": a.end,
         "wall_seconds": span, "ranks": n, "first_step": (restored or 0) + 1,
         "last_step": (restored or 0) + steps, "steps": steps, "lost_steps": lost,
         "restored_step": restored, "last_committed_step": step, "seconds": seconds,

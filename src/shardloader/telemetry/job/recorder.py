@@ -309,9 +309,15 @@ class AttemptRecorder:
                 except Exception:  # noqa: BLE001 - the next interval copies again
                     pass
 
+    @property
+    def ended(self) -> bool:
+        """Whether this attempt's ending is recorded (nothing is recorded after it)."""
+        return self._ended
+
     def finish(self, how: str | None = None, error: str | None = None, **fields: Any) -> None:
-        """End the attempt: "finished", or "failed" when an uncaught exception was seen, or
-        `how` (`endings.ENDINGS`); `fields` go into its `end` event."""
+        """End the attempt: `how` (one of `endings.ENDINGS`; default "finished", or "failed"
+        when an uncaught exception was seen) with `error` (the reason in words) and `fields`
+        in its `end` event."""
         if self._ended or os.getpid() != self.pid:
             return
         self._ended = True

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from shardloader.telemetry.job.endings import ENDINGS, FINISHED, PREEMPTED_SAVED
 from shardloader.telemetry.job.sources import source_lines
 from shardloader.telemetry.records import TelemetryInputError
 from shardloader.telemetry.render import _fmt_bytes, _fmt_seconds
@@ -30,6 +31,9 @@ SEGMENTS = ("startup", "restore", "productive", "lost_progress", "data_wait", "c
 COLOURS = {"startup": "tab:purple", "restore": "tab:brown", "productive": "tab:green",
            "lost_progress": "tab:red", "data_wait": "tab:orange", "checkpoint": "tab:blue",
            "other": "silver"}
+#: The mark at the end of an attempt's bar, by its ending (finished: none).
+ENDING_MARKS = {"preempted_saved": ("v", "tab:green"), "preempted_lost": ("v", "tab:red"),
+                "killed": ("x", "black"), "failed": ("x", "tab:red"), "hung": ("s", "tab:red")}
 
 
 def _fmt_money(amount: float) -> str:
@@ -45,7 +49,7 @@ def render_job_text(report: Mapping[str, Any]) -> str:
     wall, seconds, attempts = report["wall_seconds"], report["seconds"], report["attempts"]
     title = f"job {report['job']['name']} ({report['job']['job_id']})"
     endings = Counter(a["ended"] for a in attempts)
-    how = ", ".join(f"{endings[e]} {e}" for e in ("finished", "killed", "failed") if endings[e])
+    how = ", ".join(f"{endings[e]} {e.replace('_', ' ')}" for e in ENDINGS if endings[e])
     lines = [title, "=" * len(title),
              f"attempts           {len(attempts)}" + (f" ({how})" if how else ""),
              f"wall time          {_fmt_seconds(wall)}",
@@ -96,17 +100,22 @@ def render_job_text(report: Mapping[str, Any]) -> str:
 
 def _attempt_rows(attempts: list[Mapping[str, Any]]) -> list[str]:
     width = max([len(a["id"]) for a in attempts] + [2])
-    rows = [f"  {'id':<{width}} {'ended':<8} {'steps':>13} {'lost':>6} {'wall':>10} "
+    rows = [f"  {'id':<{width}} {'ended':<15} {'steps':>13} {'lost':>6} {'wall':>10} "
             f"{'data wait':>10} {'startup':>10}"]
     for a in attempts:
         span = f"{a['first_step']}..{a['last_step']}" if a["steps"] else "-"
-        rows.append(f"  {a['id']:<{width}} {a['ended']:<8} {span:>13} {a['lost_steps']:>6} "
+        rows.append(f"  {a['id']:<{width}} {a['ended']:<15} {span:>13} {a['lost_steps']:>6} "
                     f"{_fmt_seconds(a['wall_seconds']):>10} "
                     f"{_fmt_seconds(a['seconds']['data_wait']):>10} "
                     f"{_fmt_seconds(a['seconds']['startup']):>10}")
-    rows += [f"  {a['id']} {a['ended']}: " + a["error"].replace("\n", "\n    ") for a in attempts
-             if a["ended"] in ("failed", "hung") and a.get("error")]
+    rows += [f"  {a['id']} {a['ended'].replace('_', ' ')}: {_why(a)}" for a in attempts
+             if a["ended"] != FINISHED and _why(a)]
     return rows
+
+
+def _why(a: Mapping[str, Any]) -> str | None:
+    """An attempt's reason for its ending (reports made before reasons: its error)."""
+    return a.get("reason") or a.get("error")
 
 
 def _per_rank(data_wait: Mapping[str, Any]) -> dict[int, float]:
@@ -242,11 +251,14 @@ def plot_job(report: Mapping[str, Any], path: str | os.PathLike[str], *, dpi: in
                         hatch="//" if kind == "lost_progress" else None, edgecolor="white",
                         linewidth=0.5)
             x += width
-        if a["ended"] in ("killed", "failed", "hung"):
-            end = a["end"] - origin
-            ax.plot(end, row, marker="x", color="black", markersize=10, markeredgewidth=2)
-            ax.annotate(a["ended"], (end, row), xytext=(6, 6), textcoords="offset points",
-                        fontsize="small", color="black" if a["ended"] == "killed" else "tab:red")
+        if a["ended"] in ENDING_MARKS:
+            end, (marker, colour) = a["end"] - origin, ENDING_MARKS[a["ended"]]
+            ax.plot(end, row, marker=marker, color=colour, markersize=10, markeredgewidth=2)
+            label = a["ended"].replace("_", ", ")
+            if a["ended"] != PREEMPTED_SAVED or a["lost_steps"]:
+                label += f" ({a['lost_steps']} steps lost)"
+            ax.annotate(label, (end, row), xytext=(6, 6), textcoords="offset points",
+                        fontsize="small", color=colour)
     for row, gap in enumerate(_gaps(report)):
         if gap > 0:
             left = attempts[row]["end"] - origin
