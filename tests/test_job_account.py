@@ -262,7 +262,7 @@ def damaged(change) -> dict:
         (lambda r: r["counters"].update(positions=1.5), r"counters.positions: expected an integer"),
         (lambda r: r.pop("events"), r"attempt 'a2' rank 0: 'events' missing"),
         (lambda r: r["events"][1].pop("checkpoint"), r"event 1 \(restore\): field 'checkpoint' missing"),
-        (lambda r: r["events"][2].update(cursor=None), r"event 2 \(save\): field 'cursor': expected a number"),
+        (lambda r: r["events"][2].update(cursor="x"), r"event 2 \(save\): field 'cursor': expected a number"),
         (lambda r: r["events"][2].pop("time"), r"event 2 \(save\): field 'time' missing"),
         (lambda r: r["events"].append({"event": "end", "time": 1.0, "how": "gone", "error": None}),
          r"field 'how': expected one of"),

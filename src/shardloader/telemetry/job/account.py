@@ -1,10 +1,9 @@
 """The job's account (I15): where every second, sample and byte of all its attempts went.
 
-`account(records)` turns what `read_job` returns (each attempt's ranks: final counters and the
-event log) into the report object of the job contract. It is a pure function: no I/O, no
-clock. Seconds are accounted per rank over its attempt's span, and an attempt's figure of each
-kind is the mean over its ranks, so an attempt's kinds add up to its wall time and the job's
-(with the gaps between attempts) to the job's.
+`account(records)` turns what `read_job` returns (each attempt's ranks: final counters and event
+log) into the job contract's report; pure: no I/O, no clock. Seconds are accounted per rank over
+its attempt's span, an attempt's figure of each kind the mean over its ranks: an attempt's kinds
+add up to its wall time, the job's (with the gaps between attempts) to the job's.
 
 Progress is real only once a checkpoint holding it is committed: an attempt's *mark* is its last
 committed save, and step time after the mark is lost progress (unless the attempt finished the
@@ -35,8 +34,7 @@ _REQUESTS = {"shard_downloads": "downloads", "range_requests": "range_requests",
              "checkpoint_files": "checkpoint_files"}  # fmt: skip
 _SECONDS = (
     "launch_time", "heartbeat_time", "first_batch_time", "blocked_before_first",
-    "data_wait_seconds", "step_seconds", "checkpoint_seconds", "restore_seconds",
-    "epoch_data_wait",
+    "data_wait_seconds", "step_seconds", "checkpoint_seconds", "restore_seconds", "epoch_data_wait",
 )  # fmt: skip
 _COUNTS = (
     "steps", "positions", "segment_start", "cursor", "epoch", "cache_peak",
