@@ -15,7 +15,7 @@ BENCH_STAMP := $(BENCH_VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt -e '.[test]'
+	$(PIP) install -q -c constraints.txt -e '.[test,engines]'
 	@command -v java >/dev/null 2>&1 \
 		|| echo "No Java runtime: tests/test_engine_writers.py's Spark tests skip; apt install openjdk-17-jre-headless"
 	touch $(STAMP)
