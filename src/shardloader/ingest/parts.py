@@ -46,7 +46,7 @@ from shardloader.format.schema import arrow_type, batch_records, schema_names
 from shardloader.ingest.routing import KEY_FIELDS, in_write_order
 from shardloader.ingest.target import OutputDir
 from shardloader.ingest.verify import indexed_names
-from shardloader.ingest.writer import WRITE_FORMATS, write_index, write_shard_files
+from shardloader.ingest.writer import check_write_options, write_index, write_shard_files
 from shardloader.io.clients import filesystem
 from shardloader.io.objects import list_directory, read_object, remove_object
 from shardloader.io.paths import join_url
@@ -72,12 +72,7 @@ def write_options(*, shard_bytes: int = 256 << 20, shard_samples: int | None = N
     output partitions a shuffled write asks for (None: the engine's default), checked only."""
     if partitions is not None and (not isinstance(partitions, int) or partitions < 1):
         raise ValueError(f"partitions must be a positive integer or None, got {partitions!r}")
-    if format not in WRITE_FORMATS:
-        raise ValueError(f"format must be one of {', '.join(WRITE_FORMATS)}, got {format!r}")
-    if shard_bytes <= 0:
-        raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
-    if shard_samples is not None and shard_samples <= 0:
-        raise ValueError(f"shard_samples must be positive or None, got {shard_samples}")
+    check_write_options(format, shard_bytes, shard_samples)
     return {"shard_bytes": shard_bytes, "shard_samples": shard_samples, "format": format,
             "schema": dict(schema) if schema is not None else None,
             "storage_options": storage_options, "shuffle": shuffle}

@@ -63,6 +63,19 @@ from shardloader.ingest.target import OutputDir, discard
 from shardloader.io.checksum import checksum_file
 
 WRITE_FORMATS = ("arrow", "tar")
+
+
+def check_write_options(format: str, shard_bytes: int, shard_samples: int | None) -> None:
+    """ValueError naming the argument when a write's shard format or size bounds are bad: the
+    one check for `write_shards` and the engine writes (`ingest.parts`)."""
+    if format not in WRITE_FORMATS:
+        raise ValueError(f"format must be one of {', '.join(WRITE_FORMATS)}, got {format!r}")
+    if shard_bytes <= 0:
+        raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
+    if shard_samples is not None and shard_samples <= 0:
+        raise ValueError(f"shard_samples must be positive or None, got {shard_samples}")
+
+
 _BATCH_ROWS = 4096  # rows per Arrow record batch, at most
 _BATCH_BYTES = 16 << 20  # payload bytes per Arrow record batch, at most
 # The temporary copy of a shuffled stream: large shards, all kept open, so that reading it in
@@ -224,12 +237,7 @@ def write_shards(
                                 format=format, schema=ordered_schema, progress=progress,
                                 overwrite=overwrite, storage_options=storage_options,
                                 shard_table=shard_table)
-    if format not in WRITE_FORMATS:
-        raise ValueError(f"format must be one of {', '.join(WRITE_FORMATS)}, got {format!r}")
-    if shard_bytes <= 0:
-        raise ValueError(f"shard_bytes must be positive, got {shard_bytes}")
-    if shard_samples is not None and shard_samples <= 0:
-        raise ValueError(f"shard_samples must be positive or None, got {shard_samples}")
+    check_write_options(format, shard_bytes, shard_samples)
     out = os.fspath(out)
     target = OutputDir(out, storage_options)
     written: list[str] = []
