@@ -115,3 +115,19 @@ def check_move(cursor: Cursor, epoch: int) -> None:
             f"set_epoch({epoch}) would skip {skipped}: this loader is at {where}; {loop}. "
             f"To skip on purpose, call set_epoch({epoch}, force=True)."
         )
+
+
+def check_iterator(iterator: Any, unit: str) -> None:
+    """What each `next()` of an epoch iterator (`epoch.EpochIterator`, the iterable dataset's
+    `iterable_pass.IterablePass`) checks first: StopIteration once it ended; RuntimeError once it
+    broke (restart the `unit`, or load a state) or went stale (a newer `iter()`, a reload or a
+    `close()`). One not started yet follows the cursor's moves (`set_epoch`, `load_state_dict`)."""
+    if iterator.ended:
+        raise StopIteration
+    if iterator.broken is not None:
+        raise RuntimeError(f"this iterator cannot go on: {iterator.broken}; iterate the loader again "
+                           f"(iter(loader)) to restart the {unit}, or load a saved state")
+    if iterator.generation != iterator.cursor.generation:
+        if iterator.started or iterator.iteration != iterator.cursor.iterations:
+            raise RuntimeError("this iterator is stale: the loader was re-iterated, reloaded or closed")
+        iterator.generation = iterator.cursor.generation

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from shardloader.loader.batches import BatchTask
-from shardloader.loader.cursor import Cursor
+from shardloader.loader.cursor import Cursor, check_iterator
 from shardloader.loader.failures import BatchFailure
 from shardloader.loader.pinning import PinningThread, pin_batch
 from shardloader.loader.plan import StepPlan, first_shards
@@ -173,15 +173,7 @@ class EpochIterator:
                         global_batch=batch_positions, **(amounts or {}))
 
     def _next_or_start(self) -> Any:
-        if self.ended:
-            raise StopIteration
-        if self.broken is not None:
-            raise RuntimeError(f"this iterator cannot go on: {self.broken}; iterate the loader again "
-                               f"(iter(loader)) to restart the epoch, or load a saved state")
-        if self.generation != self.cursor.generation:
-            if self.started or self.iteration != self.cursor.iterations:
-                raise RuntimeError("this iterator is stale: the loader was re-iterated, reloaded or closed")
-            self.generation = self.cursor.generation  # not started: it follows set_epoch/load_state_dict
+        check_iterator(self, "epoch")
         if self.started:
             return self._next()
         with paused_gc():  # the wait for the first batch (see shardloader.runtime.startup)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardloader.loader.batches import BatchTask
+from shardloader.loader.cursor import check_iterator
 from shardloader.loader.failures import BatchFailure
 from shardloader.loader.iterable_workers import WorkerBatch, start_of
 from shardloader.loader.pinning import pin_batch
@@ -180,15 +181,7 @@ class IterablePass:
         self.in_flight.append((task, worker))
 
     def __next__(self) -> Any:
-        if self.ended:
-            raise StopIteration
-        if self.broken is not None:
-            raise RuntimeError(f"this iterator cannot go on: {self.broken}; iterate the loader again "
-                               f"(iter(loader)) to restart the pass, or load a saved state")
-        if self.generation != self.cursor.generation:
-            if self.started or self.iteration != self.cursor.iterations:
-                raise RuntimeError("this iterator is stale: the loader was re-iterated, reloaded or closed")
-            self.generation = self.cursor.generation  # not started: it follows set_epoch/load_state_dict
+        check_iterator(self, "pass")
         try:
             if not self.started:
                 self._start()
