@@ -391,3 +391,22 @@ def test_a_range_budget_takes_the_fewest_requests_that_fit_it():
     budget = 300
     gap, cost = next((g, c) for g, c in options if c <= budget)
     assert (gap, len(coalesce(spans, gap))) == (200, 2)  # 2 requests, not the spans' 4
+
+
+def test_a_read_that_asks_to_spend_after_its_shard_is_whole_spends_nothing(tmp_path):
+    """The race that sent a node 1.253x a shard: a read found the shard missing, the download
+    committed it and dropped its count, then the read asked to spend and counted from zero."""
+    from shardloader.cache import range_spend
+    from shardloader.cache.layout import CacheLayout
+
+    layout = CacheLayout.create(tmp_path / "cache")
+    name = "shard-" + "ab" * 16
+    options = [("joined", 300), ("alone", 40)]
+    assert range_spend.spend_first(layout, name, options, limit=320) == "joined"
+    assert range_spend.spend_first(layout, name, options, limit=320) is None  # 300 + 40 > 320
+    os.makedirs(os.path.dirname(layout.path_of(name)), exist_ok=True)
+    open(layout.path_of(name), "wb").close()  # the download commits the shard...
+    range_spend.forget(layout, name)  # ...and drops its count
+    assert range_spend.spend_first(layout, name, options, limit=320) is None  # reads the cache
+    os.unlink(layout.path_of(name))  # evicted: the next time it is missing, counting starts anew
+    assert range_spend.spend_first(layout, name, options, limit=320) == "joined"

@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from shardloader._version import __version__
+from shardloader.runtime.startup import paused_gc
 
 if TYPE_CHECKING:
     from shardloader.dataset.sharded import Dataset
@@ -39,7 +40,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'shardloader' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    with paused_gc():  # no full collection of the user's heap inside our imports (see startup.py)
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
 

@@ -11,6 +11,11 @@ The same in `Dataset(...)`: for a remote URL it imports the node cache's modules
 index, and took 112-133 ms instead of 30-40 (a fresh process on loopback S3, four runs each;
 the cold first batch's construction phase) when a full collection fell into those imports.
 
+The same in the imports of `from shardloader import Dataset, Loader` after `import torch`: a
+full collection fell into them every time (93-126 ms of 0.18-0.30 s, `python -X importtime`
+and `gc.callbacks`, five fresh processes), so the first use of a public name imports its
+module under `paused_gc()` (`shardloader/__init__.py`).
+
 `paused_gc()` defers collections while our own start-up code runs (the dataset's and the
 loader's constructors, the start of an epoch's iteration, the wait for its first batch) and
 re-enables the collector as soon as that code returns, so user code never runs with it paused
