@@ -402,11 +402,12 @@ def main() -> None:
         print(json.dumps(child(json.loads(args.child))), flush=True)
         return
 
-    from benchmarks._common import load_average
+    from benchmarks._common import compile_library, load_average
     from benchmarks._images import describe, prepare_images
     from benchmarks._s3 import S3Process
 
     images = prepare_images(args.images, min_size=LAYOUTS[args.layout][0], max_size=LAYOUTS[args.layout][1])
+    compile_library()  # fresh processes import compiled modules, as an installed package's
     workers = [int(w) for w in args.workers.split(",")]
     runs: dict[int, list[dict[str, Any]]] = {w: [] for w in workers}
     print(f"# cold first batch from S3 (moto on loopback, empty cache, fresh process per try); "

@@ -165,11 +165,13 @@ def peer_missing() -> str | None:
 
 def measure(n: int, repeats: int, log: Any = print) -> dict[str, Any]:
     """{(source or "local", loader): [seconds per round]} and why a column is missing."""
+    from benchmarks._common import compile_library
     from benchmarks._credentials import CredentialGate
     from benchmarks._images import prepare_images, prepare_mds
     from benchmarks._s3 import KEY, S3Process
 
     images = prepare_images(n, log=log)
+    compile_library()  # fresh processes import compiled modules, as an installed package's
     missing = peer_missing()
     layouts = {"arrow": images.arrow_dir}
     if missing is None:

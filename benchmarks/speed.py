@@ -78,7 +78,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks import peers
-from benchmarks._common import cpu_used, emit, load_average, machine, table, tree_cpu_seconds
+from benchmarks._common import (
+    compile_library,
+    cpu_used,
+    emit,
+    load_average,
+    machine,
+    table,
+    tree_cpu_seconds,
+)
 from benchmarks._images import ImageSet, describe, prepare_images
 from benchmarks._measure import PeakMemory, StderrMark
 
@@ -525,6 +533,7 @@ def run(n: int, rounds: int, repeats: int, stall_batches: int, limit_samples: in
             for what in (*WORKS, "isolated", "cold"):
                 why[c, what] = reason
     images = prepare_images(n, log=log)
+    compile_library()  # fresh processes import compiled modules, as an installed package's
     loads = [load_average()]
     start = time.perf_counter()
     raw: dict[str, Any] = {"in_process": in_process(images, columns, rounds, stall_batches,

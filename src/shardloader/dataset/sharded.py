@@ -181,16 +181,17 @@ class Dataset:
                 out[pos] = record
         return out  # type: ignore[return-value]
 
-    def prime(self, samples: Sequence[int] | np.ndarray) -> int:
+    def prime(self, samples: Sequence[int] | np.ndarray, *, ahead: bool = False) -> int:
         """Fetch now what reading `samples` by byte range will need (remote shards not yet in
         the node cache; see `RemoteSource.prime_ranges`), so that this process and workers it
         forks afterwards read them without a request. A Loader calls it for its first batch
-        before it starts its workers. Returns the spans kept (0 for a local dataset)."""
+        before it starts its workers, and from `Loader()` in the background (`ahead`). Returns
+        the spans kept (0 for a local dataset)."""
         if not self.source.reads_by_range:
             return 0
         shards, rows = self.index.locate_many(np.asarray(samples, dtype=np.int64))
         return self.source.prime_ranges([(self.index.shards[int(shard)], rows[shards == shard])
-                                         for shard in sorted_unique(shards).tolist()])
+                                         for shard in sorted_unique(shards).tolist()], ahead=ahead)
 
     def _decoded(self, record: dict[str, Any], shard: int, where: str) -> dict[str, Any]:
         """`record` with a tar shard's conventional fields decoded (see `decode`)."""

@@ -11,14 +11,14 @@ sidecars, prefetch) is `EpochPrefetch`'s, called here in the order a cold start 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from shardloader.loader.batches import BatchTask
 from shardloader.loader.cursor import Cursor, check_iterator
 from shardloader.loader.failures import BatchFailure
 from shardloader.loader.pinning import PinningThread, pin_batch
-from shardloader.loader.plan import StepPlan, first_shards
+from shardloader.loader.plan import StepPlan
 from shardloader.loader.pool_keeper import PoolKeeper
 from shardloader.loader.prefetch_policy import EpochPrefetch
 from shardloader.loader.protocol import LoaderDataset
@@ -253,23 +253,3 @@ class EpochIterator:
                 self.prefetch.stop(0.0)  # cancel; never wait in __del__
         except Exception:  # noqa: BLE001
             pass
-
-
-def warm_first_batch(dataset: LoaderDataset, plan: StepPlan, cursor: Cursor, steps: int) -> None:
-    """Have the source fetch, in the background, the range sidecars of the shards the next
-    iteration's first batch reads (`ShardSource.warm_ranges(first_batch=True)`), so that a cold
-    start's first round of requests overlaps what the script does before it iterates. The Loader
-    calls it when it is made and when a state is loaded. Which shards is worked out in that
-    thread (an epoch's order over 10^6 shards takes ~0.5 s to build), and not at all once the
-    cursor has moved elsewhere (a state loaded meanwhile asks for its own first batch)."""
-    if not dataset.source.reads_by_range:
-        return
-    where = (cursor.epoch, cursor.next_step if cursor.restored else 0)
-    if where[1] >= steps:
-        return
-
-    def shards() -> Iterator[Any]:
-        if (cursor.epoch, cursor.next_step if cursor.restored else 0) == where:
-            yield from first_shards(plan, where[0], range(where[1], where[1] + 1), dataset.index.shards)
-
-    dataset.source.warm_ranges(shards(), first_batch=True)

@@ -45,7 +45,7 @@ from shardloader.loader.compat import (
 )
 from shardloader.loader.cursor import check_move, check_position
 from shardloader.loader.dataset_state import restore_dataset_state, saved_dataset_state
-from shardloader.loader.epoch import EpochIterator, warm_first_batch
+from shardloader.loader.epoch import EpochIterator
 from shardloader.loader.growth import follow_length, resume_length, saved_length
 from shardloader.loader.iterable_kind import loader_class
 from shardloader.loader.mapstyle import (
@@ -57,6 +57,7 @@ from shardloader.loader.mapstyle import (
 from shardloader.loader.pinning import pins
 from shardloader.loader.plan import StepPlan
 from shardloader.loader.pool_keeper import PoolKeeper
+from shardloader.loader.prefetch_policy import warm_first_batch
 from shardloader.loader.recording import make_stats
 from shardloader.loader.sampling import (
     check_distributed,
@@ -272,7 +273,7 @@ class Loader(Generic[T_co]):
         self.sampler, self.batch_sampler = order_views(kind, given, self, batch_size, self.drop_last)
         self._initialized = True  # from here on, READ_ONLY_ATTRIBUTES are
         _LIVE_LOADERS.add(self)
-        warm_first_batch(self._data, self._plan, self._cursor, self._global_steps)  # cold start
+        warm_first_batch(self._data, self._plan, self._cursor, self._global_steps, self._workers)  # cold start
 
     def __setattr__(self, name: str, value: Any) -> None:
         initialized = self.__dict__.get("_initialized", False)
@@ -396,7 +397,7 @@ class Loader(Generic[T_co]):
         load_order_state(*self._order, self._plan, state.get("sampler"), state["epoch"], position,
                          self._cursor.next_step)
         restore_dataset_state(self._data, self._cursor, self._workers, state.get("dataset"))
-        warm_first_batch(self._data, self._plan, self._cursor, self._global_steps)  # its first batch's
+        warm_first_batch(self._data, self._plan, self._cursor, self._global_steps, self._workers)  # its first batch's
         attempt = current_attempt()
         if attempt is not None:  # where this attempt's training resumes, for the job's account
             attempt.note_cursor(self, state["epoch"] * length + position)

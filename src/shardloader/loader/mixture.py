@@ -261,10 +261,10 @@ class Mixture(LoaderDataset, KeyedReads, ReadsBySource):
         for reader in self.readers:
             reader.check_capacity(num_workers=num_workers)
 
-    def prime(self, samples: Sequence[int] | np.ndarray) -> int:
+    def prime(self, samples: Sequence[int] | np.ndarray, *, ahead: bool = False) -> int:
         samples = np.asarray(samples, dtype=np.int64)
         which = self.locate(samples)
-        return sum(self.readers[i].prime(samples[which == i] - self.offsets[i])
+        return sum(self.readers[i].prime(samples[which == i] - self.offsets[i], ahead=ahead)
                    for i in np.unique(which).tolist())
 
     def warm_up(self) -> None:

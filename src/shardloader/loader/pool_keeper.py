@@ -8,10 +8,16 @@ persistent pool never confuses a batch of an abandoned epoch with one of the nex
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 from shardloader.loader.batches import BatchProducer
 from shardloader.loader.workers.pool import CLOSE_SECONDS, make_pool
+
+#: The longest a pool's start waits for the threads fetching what its workers inherit (a bound,
+#: as the first batch's own priming has: `shardloader.loader.prefetch_policy`).
+INHERIT_SECONDS = 30.0
 
 
 class PoolKeeper:
@@ -30,6 +36,7 @@ class PoolKeeper:
         self.persistent = persistent
         self.pool: Any = None  # the running pool, or None
         self._last_task_id = 0
+        self._inherited: list[threading.Thread] = []  # fetching what workers forked later inherit
 
     @property
     def depth(self) -> int:
@@ -47,9 +54,25 @@ class PoolKeeper:
         processes forked (not started fresh by "spawn" or "forkserver")."""
         return self.pool is None and not (self.forks and (self.context or "fork") != "fork")
 
+    def inherit(self, thread: threading.Thread) -> None:
+        """`thread` fetches what workers started later should inherit (a Loader's first batch,
+        primed from `Loader()`): the pool is not forked while it runs (`get`)."""
+        self._inherited = [t for t in self._inherited if t.is_alive()] + [thread]
+
+    def wait_inherited(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds in all for the `inherit` threads; whether they ended."""
+        deadline = time.monotonic() + timeout
+        for thread in self._inherited:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._inherited = [t for t in self._inherited if t.is_alive()]
+        return not self._inherited
+
     def get(self) -> Any:
-        """The running pool, started now if there is none."""
+        """The running pool, started now if there is none: after the `inherit` threads (at most
+        `INHERIT_SECONDS`), so that forked workers get what they fetched and no thread of
+        ours is mid-request at the fork."""
         if self.pool is None:
+            self.wait_inherited(INHERIT_SECONDS)
             self.pool = make_pool(self.producer, self.num_workers, self.worker_type,
                                   context=self.context, timeout=self.timeout,
                                   prefetch_factor=self.prefetch_factor,

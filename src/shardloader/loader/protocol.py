@@ -86,9 +86,10 @@ class LoaderDataset(ShardedDataset, Protocol):
         starts."""
         return None
 
-    def prime(self, samples: Sequence[int] | np.ndarray) -> int:
+    def prime(self, samples: Sequence[int] | np.ndarray, *, ahead: bool = False) -> int:
         """Fetch now what reading `samples` will need, so that this process and the workers it
-        forks afterwards read them without a request; returns how much was kept."""
+        forks afterwards read them without a request; returns how much was kept. `ahead`: from
+        `Loader()`, before the iteration, which primes again (a failed fetch is left to it)."""
         return 0
 
     def warm_up(self) -> None:

@@ -86,9 +86,10 @@ class ShardSource(Protocol):
         byte range now, by position in `wanted`; the others are left to `local_path`."""
         return {}
 
-    def prime_ranges(self, wanted: Sequence[tuple[ShardInfo, Any]]) -> int:
+    def prime_ranges(self, wanted: Sequence[tuple[ShardInfo, Any]], *, ahead: bool = False) -> int:
         """Fetch now, and keep in this process, what reading the rows of `wanted` by range
-        needs; returns the spans kept."""
+        needs; returns the spans kept. `ahead`: before the Loader iterates, which primes again
+        (a failed fetch is left to it, never taken for "read that shard whole")."""
         return 0
 
     def url_of(self, info: ShardInfo) -> str:

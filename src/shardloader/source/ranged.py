@@ -30,10 +30,11 @@ inherit it with the fork (`after_fork`), so the first batch's worker reads its r
 request and the next batches' requests do not compete with the first's. Measured with 2 workers
 on loopback moto (which serves one request at a time), speed.py's cold first batch: the priming
 and the lighter S3 client of `shardloader.io.s3client` together took it from 1.34 s to 0.38 s
-(medians of 7 fresh processes, alternated). The first batch's sidecars are fetched earlier
-still, in a background thread started when the Loader is made (`warm(first_batch=True)`), so
-that their round overlaps what the script does before it iterates, and `prime` waits for them
-instead of fetching them again; what is fetched for the first batch reaches the node cache only
+(medians of 7 fresh processes, alternated). The first batch is primed earlier still, in a
+background thread started when the Loader is made (`shardloader.loader.prefetch_policy.
+warm_first_batch`; only its sidecars, `warm(first_batch=True)`, where workers are spawned), so
+that its rounds overlap what the script does before it iterates; primes run one at a time, so
+the priming at `iter()` waits for that one and finds its spans kept; what is fetched for the first batch reaches the node cache only
 once the batch is out (`release_held`), so that it waits for no commit. After the fork a
 background thread of the training process fetches the sidecars of the next batches' shards
 (`warm`) for the workers to find on the node; a worker that needs a sidecar the thread is
@@ -126,6 +127,7 @@ class RangeReads:
         self._loading: dict[str, threading.Event] = {}  # sidecars being fetched by a thread
         self._failed: dict[str, BaseException] = {}  # why a background fetch of a sidecar failed
         self._first_out = threading.Event()  # a Loader's first batch is out: see `release_held`
+        self._priming = threading.Lock()  # one `prime` at a time
 
     # -- public --------------------------------------------------------------------------------
     def read(self, wanted: Sequence[tuple[ShardInfo, np.ndarray]]) -> dict[int, list[dict[str, Any]]]:
@@ -166,7 +168,8 @@ class RangeReads:
                                        tar_offsets=state.tar)
         return out
 
-    def prime(self, wanted: Sequence[tuple[ShardInfo, np.ndarray]], *, hold: bool = False) -> int:
+    def prime(self, wanted: Sequence[tuple[ShardInfo, np.ndarray]], *, hold: bool = False,
+              background: bool = False) -> int:
         """Fetch, verify and keep the spans that reading the rows of `wanted` needs (and the
         sidecars of their shards), so that those reads need no request: in this process, and in
         worker processes forked after this returns, which inherit what it kept. A Loader calls
@@ -175,9 +178,16 @@ class RangeReads:
         of spans kept. Never raises: the read that needs the rows fetches (and reports) itself.
         `hold`: the sidecars fetched are committed to the node cache only once the first batch
         is out (`release_held`): the workers inherit them, and the batch does not wait for the
-        commits."""
+        commits. One prime at a time: a Loader primes its first batch from `Loader()`, in the
+        background, and again at `iter()`; the second waits for the first and finds its spans
+        kept, instead of fetching them again. `background`: the sidecars are fetched as `warm`
+        fetches them (a failure leaves them to the next reader, see `_states`)."""
+        with self._priming:
+            return self._prime(wanted, hold=hold, background=background)
+
+    def _prime(self, wanted: Sequence[tuple[ShardInfo, np.ndarray]], *, hold: bool, background: bool) -> int:
         try:
-            states = self._states([info for info, _ in wanted], hold=hold)
+            states = self._states([info for info, _ in wanted], hold=hold, background=background)
             work: list[tuple[ShardInfo, _ShardState, np.ndarray, int]] = []
             with self._lock:
                 for info, rows in wanted:
@@ -232,6 +242,7 @@ class RangeReads:
         kept (that is what the child inherits them for); locks, loads in flight (threads do
         not cross a fork), counters and the jitter source start anew."""
         self._lock = threading.Lock()
+        self._priming = threading.Lock()
         self._loading = {}
         self._failed = {}
         self._first_out = threading.Event()

@@ -309,14 +309,17 @@ class RemoteSource(ShardSource):
         got = self._range_reads().read([item for _, item in todo])
         return {todo[i][0]: records for i, records in got.items()}
 
-    def prime_ranges(self, wanted: Sequence[tuple[ShardInfo, Any]]) -> int:
+    def prime_ranges(self, wanted: Sequence[tuple[ShardInfo, Any]], *, ahead: bool = False) -> int:
         """Fetch now, and keep in this process, the spans that reading the rows of `wanted`
         ((shard, rows): a Loader's first batch) by range needs, for shards the node cache does
         not hold whole; worker processes forked afterwards inherit them and read those rows
-        without a request. Only where `read_by_range` would read by range. Returns the spans
-        kept; never raises (see `RangeReads.prime`). The sidecars it fetches go onto the node
-        once the first batch is out (`start_prefetch`), not on that batch's path."""
-        if not (self.range_reads and self.prefetch and self.prefetch_expected) or not wanted:
+        without a request. Only where `read_by_range` would read by range once the Loader
+        iterates (it may call this before: from `Loader()`, in the background). Returns the
+        spans kept; never raises (see `RangeReads.prime`). The sidecars it fetches go onto the
+        node once the first batch is out (`start_prefetch`), not on that batch's path.
+        `ahead`: called from `Loader()`; its sidecars are fetched as `warm_ranges` fetches
+        them (a failure is left to the priming at `iter()`, which fetches them again)."""
+        if not (self.range_reads and self.prefetch) or not wanted:
             return 0
         store = self.store
         todo = []
@@ -327,7 +330,7 @@ class RemoteSource(ShardSource):
             except ShardloaderError:
                 continue
             todo.append((info, rows))
-        return self._range_reads().prime(todo, hold=True) if todo else 0
+        return self._range_reads().prime(todo, hold=True, background=ahead) if todo else 0
 
     def expect_prefetch(self) -> None:
         """Called by a Loader before it starts its workers: its prefetcher will download whole
