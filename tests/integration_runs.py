@@ -66,6 +66,26 @@ def readline(proc: subprocess.Popen, timeout: float) -> str:
         return ""
 
 
+def read_to_end(proc: subprocess.Popen, timeout: float) -> str:
+    """The rest of proc's stdout, to its end, read through the stream that `readline` reads.
+
+    Not `proc.communicate(timeout=...)`: with a timeout it reads the pipe's descriptor itself,
+    so the lines an earlier `readline()` pulled into the stream's buffer but did not return were
+    lost (a preemption run's steps 18 and 19, printed after the line the test waited for). Past
+    `timeout` the process is killed and the test fails; it never hangs."""
+    rest: SimpleQueue[str] = SimpleQueue()
+    assert proc.stdout is not None
+    threading.Thread(target=lambda: rest.put(proc.stdout.read()), daemon=True).start()
+    try:
+        out = rest.get(timeout=timeout)
+    except Empty:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"pid {proc.pid}: its output did not end within {timeout:g} s")
+    proc.wait(timeout)
+    return out
+
+
 def _sigkill(procs: Iterable[Proc]) -> None:
     for p in procs:
         if alive(p):  # (pid, start time): never a recycled pid

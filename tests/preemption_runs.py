@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tests.integration_runs import env, readline, survivors
+from tests.integration_runs import env, read_to_end, readline, survivors
 
 LINE_TIMEOUT = 120.0
 
@@ -57,7 +57,7 @@ class Run:
     def finish(self, timeout: float = 240.0) -> tuple[int, float | None]:
         """(exit status, seconds from the first signal to the exit); the rest of its output is
         read into `lines`, and no process of the run may be left."""
-        out, _ = self.proc.communicate(timeout=timeout)
+        out = read_to_end(self.proc, timeout)  # with what expect()'s reads left buffered
         exited = time.monotonic()
         self.lines += out.splitlines()
         assert survivors(self.marker) == [], "a process of the run outlived it"

@@ -129,8 +129,9 @@ def warm_first_batch(dataset: LoaderDataset, plan: StepPlan, cursor: Cursor, ste
     its rows' spans, kept in this process): the pool waits for it before it forks
     (`PoolKeeper.inherit`), and the priming at `iter()` finds the spans kept instead of fetching
     them again. With a 1 s pause between `Loader()` and `iter()`, the cold first batch from S3
-    then took ~0.13 s from `iter()` instead of 0.56 s (`benchmarks/coldstart.py --user-seconds
-    1`, 2 workers). Otherwise (spawned workers fetch for themselves) only the range sidecars are
+    then took 0.26-0.28 s from `iter()` instead of 0.56 s (`benchmarks/coldstart.py
+    --user-seconds 1`, 2 workers, loopback moto): the producer's imports, the fork and one
+    worker's task. Otherwise (spawned workers fetch for themselves) only the range sidecars are
     fetched, onto the node (`ShardSource.warm_ranges(first_batch=True)`).
 
     What is fetched and where is worked out in the thread (an epoch's order over 10^6 shards
