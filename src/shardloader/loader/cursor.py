@@ -51,6 +51,12 @@ class Cursor:
         """The step of the current epoch the next batch is (its number of steps at the end)."""
         return -(-self.position // self.global_batch_size)
 
+    @property
+    def next_start(self) -> tuple[int, int]:
+        """(epoch, step) where the next iteration starts: the restored step right after
+        `restore`, else the current epoch's first (see `start_iteration`)."""
+        return self.epoch, self.next_step if self.restored else 0
+
     def invalidate(self) -> int:
         """Make the iterators handed out so far stale; the new generation."""
         self.generation += 1

@@ -140,12 +140,12 @@ def warm_first_batch(dataset: LoaderDataset, plan: StepPlan, cursor: Cursor, ste
     that batch's spans unused: one batch of range reads, within each shard's range budget."""
     if not dataset.source.reads_by_range:
         return
-    where = (cursor.epoch, cursor.next_step if cursor.restored else 0)
+    where = cursor.next_start
     if where[1] >= steps:
         return
 
     def still_first() -> bool:
-        return (cursor.epoch, cursor.next_step if cursor.restored else 0) == where
+        return cursor.next_start == where
 
     if workers.would_inherit() and plan.looks_ahead:
         def prime() -> None:
