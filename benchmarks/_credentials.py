@@ -14,6 +14,9 @@ temporary credentials:
   ``Expiration`` moved `lifetime` seconds away.
 * ``/__container`` answers as the container credentials endpoint (ECS, EKS Pod Identity) and
   ``/__issue`` as a ``credential_process`` prints: new temporary credentials each call.
+* ``/federation/credentials`` answers as IAM Identity Center's (SSO) portal does
+  (``GetRoleCredentials``): new temporary credentials for a request that carries `SSO_TOKEN`
+  as its bearer token (the token ``aws sso login`` leaves in its cache), 401 otherwise.
 * Every other request is S3: forwarded to moto only when the access key of its
   ``Authorization`` header was issued above (or allowed with `allow`) and has not expired;
   else 403 with S3's ``ExpiredToken`` or ``InvalidAccessKeyId``, as S3 answers.
@@ -24,9 +27,11 @@ temporary credentials:
 from __future__ import annotations
 
 import datetime
+import hashlib
 import http.client
 import itertools
 import json
+import os
 import re
 import threading
 import time
@@ -39,9 +44,28 @@ _KEY_IN_AUTH = re.compile(r"Credential=([^/]+)/")
 _IMDS_CREDENTIALS = re.compile(r"^/latest/meta-data/iam/security-credentials/[^/]+$")
 _STS_EXPIRATION = re.compile(rb"<Expiration>[^<]*</Expiration>")
 _STS_KEY = re.compile(rb"<AccessKeyId>([^<]+)</AccessKeyId>")
+SSO_TOKEN = "an-sso-access-token"  # noqa: S105 - a test token, valid only at this gate
 #: Headers of moto's answer not passed on: this connection's own, and those _answer sets.
 _HOP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length",
                           "server", "date"})
+
+
+def write_sso_profile(config_dir: str, token_cache_dir: str, profile: str = "training") -> str:
+    """What ``aws configure sso`` and ``aws sso login`` leave behind, for this gate's portal: a
+    config file with `profile` (an SSO role) in `config_dir`, and the login's token, valid for an
+    hour, in `token_cache_dir` (botocore looks in ``~/.aws/sso/cache``). Returns the config file's
+    path (for AWS_CONFIG_FILE); the portal's endpoint goes in AWS_ENDPOINT_URL_SSO."""
+    start_url = "https://training.awsapps.com/start"
+    path = os.path.join(config_dir, "sso-config")
+    with open(path, "w") as f:
+        f.write(f"[profile {profile}]\nsso_start_url = {start_url}\nsso_region = us-east-1\n"
+                f"sso_account_id = 123456789012\nsso_role_name = training\n")
+    os.makedirs(token_cache_dir, exist_ok=True)
+    name = hashlib.sha1(start_url.encode()).hexdigest()  # noqa: S324 - botocore's cache key
+    with open(os.path.join(token_cache_dir, f"{name}.json"), "w") as f:
+        json.dump({"startUrl": start_url, "region": "us-east-1", "accessToken": SSO_TOKEN,
+                   "expiresAt": _iso(time.time() + 3600)}, f)
+    return path
 
 
 def _iso(when: float) -> str:
@@ -117,6 +141,8 @@ class CredentialGate:
             out = {"Version": 1, "AccessKeyId": d["AccessKeyId"], "SecretAccessKey": d["SecretAccessKey"],
                    "SessionToken": d["Token"], "Expiration": d["Expiration"]}
             return _answer(request, 200, json.dumps(out).encode(), "application/json")
+        if path.startswith("/federation/credentials"):
+            return self._sso(request)
         if path.startswith("/latest/"):
             status, answer, _ = self._forward(request, body, host="169.254.169.254")
             if status == 200 and _IMDS_CREDENTIALS.match(path.split("?")[0]):
@@ -133,6 +159,18 @@ class CredentialGate:
                 answer = _STS_EXPIRATION.sub(f"<Expiration>{_iso(expires)}</Expiration>".encode(), answer)
             return _answer(request, status, answer, "text/xml")
         self._s3(request, body)
+
+    def _sso(self, request: BaseHTTPRequestHandler) -> None:
+        """The SSO portal's GetRoleCredentials: its JSON, expiration in milliseconds."""
+        if request.headers.get("x-amz-sso_bearer_token") != SSO_TOKEN:
+            error = {"message": "Session token not found or invalid"}
+            return _answer(request, 401, json.dumps(error).encode(), "application/json",
+                           {"x-amzn-errortype": "UnauthorizedException"})
+        d = self.issue("SSO")
+        expires = int(self.expiry[d["AccessKeyId"]] * 1000)
+        out = {"roleCredentials": {"accessKeyId": d["AccessKeyId"], "secretAccessKey": d["SecretAccessKey"],
+                                   "sessionToken": d["Token"], "expiration": expires}}
+        return _answer(request, 200, json.dumps(out).encode(), "application/json")
 
     def _s3(self, request: BaseHTTPRequestHandler, body: bytes) -> None:
         found = _KEY_IN_AUTH.search(request.headers.get("Authorization", ""))

@@ -18,7 +18,9 @@ every request, and more to the loader that makes more of them). Rows:
 * profile file: a shared credentials file, its profile named (`profile=` / AWS_PROFILE);
 * instance metadata (EC2 and EKS node roles), through the gate (moto's answer, a new key);
 * web identity (EKS service accounts): a token file and a role, through moto's STS;
-* container credentials (ECS, EKS Pod Identity): AWS_CONTAINER_CREDENTIALS_FULL_URI.
+* container credentials (ECS, EKS Pod Identity): AWS_CONTAINER_CREDENTIALS_FULL_URI;
+* SSO profile (IAM Identity Center): a profile naming an SSO role and the login's cached token
+  (under the children's HOME), traded at the gate's SSO portal.
 
 Both libraries resolve every source through AWS's chain (botocore's, boto3's). The peer reads
 MDS shards of the same images, 1,000 a shard as ours. Figures are medians over `--repeats`
@@ -47,7 +49,7 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OURS, PEER, LOCAL_PEER = "shardloader", "mosaicml-streaming", "torch DataLoader"
 SOURCES = ("keys in the options", "profile file", "instance metadata", "web identity",
-           "container credentials")
+           "container credentials", "SSO profile")
 ROLE = "arn:aws:iam::123456789012:role/training"
 
 
@@ -141,6 +143,13 @@ def source_setup(source: str, s3: str, gate: Any, work: str) -> tuple[dict[str, 
                    AWS_ROLE_SESSION_NAME="bench", AWS_ENDPOINT_URL_STS=gate.url)
     elif source == "container credentials":
         env["AWS_CONTAINER_CREDENTIALS_FULL_URI"] = f"{gate.url}/__container"
+    elif source == "SSO profile":
+        from benchmarks._credentials import write_sso_profile
+
+        home = os.path.join(work, "home")
+        config = write_sso_profile(work, os.path.join(home, ".aws", "sso", "cache"), profile="bench")
+        options["profile"] = "bench"
+        env.update(HOME=home, AWS_CONFIG_FILE=config, AWS_PROFILE="bench", AWS_ENDPOINT_URL_SSO=gate.url)
     return options, env
 
 

@@ -23,6 +23,7 @@ import time
 
 import pytest
 
+from benchmarks._credentials import write_sso_profile
 from shardloader import Dataset, Loader
 from shardloader.ingest.writer import write_shards
 from shardloader.io import s3client
@@ -193,6 +194,24 @@ def test_web_identity_through_sts(url, reference, credential_gate, aws_env,
     aws_env.setenv("AWS_ENDPOINT_URL_STS", gate.url)
     got, seconds = _read_epoch(url, gate, _options(gate), tmp_path)
     _assert_refreshed_mid_epoch(gate, got, seconds, reference, "ASIA")
+
+
+def test_sso_profile(url, reference, credential_gate, aws_env, tmp_path):
+    """An IAM Identity Center (SSO) profile, as ``aws configure sso`` and ``aws sso login`` leave
+    it: botocore trades the login's token at the SSO portal (the gate) for temporary role
+    credentials, again each time they expire. botocore reads that token from
+    ``~/.aws/sso/cache``, a path it fixed when it was imported (with this process's HOME):
+    pointed at the test's folder for the test."""
+    import botocore.credentials
+
+    gate = credential_gate(LIFETIME)
+    token_cache = tmp_path / "sso-cache"
+    config = write_sso_profile(str(tmp_path), str(token_cache), profile="training")
+    aws_env.setattr(botocore.credentials.SSOProvider, "_SSO_TOKEN_CACHE_DIR", str(token_cache))
+    aws_env.setenv("AWS_CONFIG_FILE", config)
+    aws_env.setenv("AWS_ENDPOINT_URL_SSO", gate.url)
+    got, seconds = _read_epoch(url, gate, _options(gate, profile="training"), tmp_path)
+    _assert_refreshed_mid_epoch(gate, got, seconds, reference, "ASIASSO")
 
 
 def test_container_credentials(url, reference, credential_gate, aws_env, tmp_path):
