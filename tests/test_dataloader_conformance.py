@@ -891,3 +891,5 @@ def test_a_sampler_without_len_has_dataloaders_type_error(new):
         len(loader)
     expected = list(DataLoader(cds.Samples(), batch_size=2, sampler=_Unsized()))
     assert_identical(list(loader), expected, "unsized sampler")
+    with pytest.raises(TypeError, match="len"):  # epochs of an unknown length: no step count
+        _ = loader.step

@@ -320,7 +320,11 @@ class Loader(Generic[T_co]):
 
     @property
     def step(self) -> int:
-        """Batches delivered since epoch 0 began (the training step, restored by a resume)."""
+        """Batches delivered since epoch 0 began (the training step, restored by a resume).
+        It counts epochs of len(loader) steps, so with a sampler that has no len() it raises
+        len()'s TypeError: count the steps in the training loop then."""
+        if self._cursor.epoch:
+            self._plan.rank_batches()  # a sampler without len(): its TypeError, never a guess
         return self._cursor.epoch * self._global_steps + self._cursor.next_step
 
     def tail_report(self) -> dict[str, int]:
