@@ -273,7 +273,7 @@ class Loader(Generic[T_co]):
         self.sampler, self.batch_sampler = order_views(kind, given, self, batch_size, self.drop_last)
         self._initialized = True  # from here on, READ_ONLY_ATTRIBUTES are
         _LIVE_LOADERS.add(self)
-        warm_first_batch(self._data, self._plan, self._cursor, self._global_steps, self._workers)  # cold start
+        warm_first_batch(self._data, self._plan, self._cursor, self._plan.global_steps, self._workers)  # cold start
 
     def __setattr__(self, name: str, value: Any) -> None:
         initialized = self.__dict__.get("_initialized", False)
@@ -300,17 +300,12 @@ class Loader(Generic[T_co]):
         return self._plan.rank_batches()
 
     @property
-    def _global_steps(self) -> int:
-        """Global steps per epoch (the same on every rank)."""
-        return self._plan.global_steps
-
-    @property
     def samples_per_epoch(self) -> int:
         """Samples this rank's batches hold per epoch (padding included)."""
         if self._order[0] not in ("own", "pure"):
             raise TypeError("samples_per_epoch counts the Loader's or a PureSampler's order; a "
                             "batch_sampler= or a sampler drawn as it goes says it itself")
-        return sum(self._plan.counts(step)[0] for step in range(self._global_steps))
+        return sum(self._plan.counts(step)[0] for step in range(self._plan.global_steps))
 
     @property
     def epoch(self) -> int:
@@ -320,12 +315,11 @@ class Loader(Generic[T_co]):
 
     @property
     def step(self) -> int:
-        """Batches delivered since epoch 0 began (the training step, restored by a resume).
-        It counts epochs of len(loader) steps, so with a sampler that has no len() it raises
-        len()'s TypeError: count the steps in the training loop then."""
+        """Batches delivered since epoch 0 began (the training step, restored by a resume);
+        after epoch 0, len()'s TypeError for a sampler without len() (epochs of unknown size)."""
         if self._cursor.epoch:
-            self._plan.rank_batches()  # a sampler without len(): its TypeError, never a guess
-        return self._cursor.epoch * self._global_steps + self._cursor.next_step
+            self._plan.rank_batches()
+        return self._cursor.epoch * self._plan.global_steps + self._cursor.next_step
 
     def tail_report(self) -> dict[str, int]:
         """How many samples each epoch pads or drops to give every rank equal batches."""
@@ -401,7 +395,7 @@ class Loader(Generic[T_co]):
         load_order_state(*self._order, self._plan, state.get("sampler"), state["epoch"], position,
                          self._cursor.next_step)
         restore_dataset_state(self._data, self._cursor, self._workers, state.get("dataset"))
-        warm_first_batch(self._data, self._plan, self._cursor, self._global_steps, self._workers)  # its first batch's
+        warm_first_batch(self._data, self._plan, self._cursor, self._plan.global_steps, self._workers)  # its first batch's
         attempt = current_attempt()
         if attempt is not None:  # where this attempt's training resumes, for the job's account
             attempt.note_cursor(self, state["epoch"] * length + position)
@@ -415,7 +409,7 @@ class Loader(Generic[T_co]):
         self._cursor.invalidate()
         self._cursor.iterations += 1
         iterator = EpochIterator(self, self._cursor, self._plan, self._data, self._workers,
-                                 steps=self._global_steps, length=self._plan.rank_batches, rank=self.rank,
+                                 steps=self._plan.global_steps, length=self._plan.rank_batches, rank=self.rank,
                                  pin_memory=pins(self.pin_memory),
                                  stats=self._stats, telemetry=self.telemetry,
                                  follow_length=functools.partial(follow_length, self))

@@ -51,7 +51,7 @@ class LoaderSampler(_LoaderView, Sampler[int]):
         if loader.world_size == 1:
             yield from loader.epoch_order(epoch).samples_at(np.arange(loader.num_samples)).tolist()
             return
-        for step in range(loader._global_steps):
+        for step in range(loader._plan.global_steps):
             yield from loader.step_samples(epoch, step).tolist()
 
     def __len__(self) -> int:
@@ -77,7 +77,7 @@ class LoaderBatchSampler(_LoaderView, Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         loader = self.loader
         epoch = loader.epoch
-        for step in range(loader._global_steps):
+        for step in range(loader._plan.global_steps):
             samples = loader.step_samples(epoch, step)
             if len(samples):  # tail="partial": a rank may get nothing of the last global batch
                 yield samples.tolist()
