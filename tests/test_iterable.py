@@ -257,13 +257,14 @@ def test_a_state_is_refused_by_another_worker_count():
     ("batches", -1, r"'iterable.workers\[1\]'.batches must be a non-negative integer"),
     ("ended", "no", r"'iterable.workers\[1\]'.ended must be true or false"),
     ("state", [1], r"'iterable.workers\[1\]'.state must be the dataset's state_dict\(\)"),
+    ("steps_before", -1, "'iterable.steps_before' must be a non-negative integer, got -1"),
 ])
 def test_a_damaged_state_is_refused_naming_the_field(where, value, message):
     with shardloader.Loader(ids.Stateful(20), batch_size=3, num_workers=2) as loader:
         take(loader, 3)
         state = json.loads(json.dumps(loader.state_dict()))
         section = state["iterable"]
-        if where in ("workers", "next_worker"):
+        if where in ("workers", "next_worker", "steps_before"):
             section[where] = value
         else:
             section["workers"][1][where] = value
@@ -272,6 +273,53 @@ def test_a_damaged_state_is_refused_naming_the_field(where, value, message):
         del state["iterable"]
         with pytest.raises(StateError, match="no 'iterable' section: it was saved by a Loader of a map-style"):
             loader.load_state_dict(state)
+
+
+class _Capture:
+    """A telemetry sink that keeps the records it gets."""
+
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+
+    def on_batch(self, record: Any) -> None:
+        self.records.append(record)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_telemetry_records_every_batch_with_a_step_counted_across_epochs_and_a_resume(num_workers):
+    """A record per delivered batch, as for a map-style dataset: the step counts batches since
+    epoch 0 (an epoch's length is known only at its end), and goes on after a resume; the
+    samples are the batch's; the worker's time in the dataset's iterator is its read_seconds."""
+    per_epoch = 8 if num_workers else 7
+
+    def make(sink: _Capture) -> Any:
+        return shardloader.Loader(ids.Stateful(20), batch_size=3, num_workers=num_workers,
+                                  telemetry=sink)
+
+    sink = _Capture()
+    with make(sink) as loader:
+        batches = take(loader, 2 * per_epoch)
+        summary = loader.stats()
+        assert loader.step == 2 * per_epoch
+    sizes = [batch.fields[0][2][0] for batch in batches]
+    assert [r.step for r in sink.records] == list(range(1, 2 * per_epoch + 1))
+    assert [r.epoch for r in sink.records] == [0] * per_epoch + [1] * per_epoch
+    assert [r.samples for r in sink.records] == sizes and sum(sizes) == 40
+    assert all(r.read_seconds > 0 and r.transform_seconds > 0 and r.fetch_seconds > 0
+               and r.bytes_downloaded == 0 for r in sink.records)
+    assert summary["batches"] == 2 * per_epoch and summary["samples"] == 40
+
+    cut = per_epoch + 2  # into the second epoch
+    first, rest = _Capture(), _Capture()
+    with make(first) as loader:
+        take(loader, cut)
+        state = json.loads(json.dumps(loader.state_dict()))
+    with make(rest) as loader:
+        loader.load_state_dict(state)
+        assert loader.step == cut
+        take(loader, 2 * per_epoch - cut)
+    assert [r.step for r in first.records + rest.records] == list(range(1, 2 * per_epoch + 1))
+    assert [r.epoch for r in rest.records] == [1] * (2 * per_epoch - cut)
 
 
 @pytest.mark.parametrize(("num_workers", "kill_after"), [(2, 5), (0, 4)])

@@ -75,8 +75,8 @@ def _distinct_timings() -> BatchTimings:
 def _recorded(telemetry) -> tuple[dict, StatsAggregator]:
     """One batch through `BatchRecorder.record`: the field values it made, and the summary."""
     stats = _ValuesSeen()
-    recorder = BatchRecorder(stats, telemetry, NO_SHARD_SOURCE, rank=3, epoch=2, steps=10)
-    recorder.record(BatchTask(9, 2, 4, None, padded=2, size=32), _distinct_timings(),
+    recorder = BatchRecorder(stats, telemetry, NO_SHARD_SOURCE, rank=3, epoch=2)
+    recorder.record(_distinct_timings(), step=2 * 10 + 4 + 1, samples=32, padded=2,
                     fetch_seconds=0.375, queue_depth=5)
     if telemetry is None:
         return stats.seen[0], stats

@@ -96,7 +96,7 @@ class EpochIterator:
         for _ in range(workers.depth):
             self._submit_next()
         self.recorder = BatchRecorder(self.stats, self.telemetry, self.dataset.source, rank=self.rank,
-                                      epoch=self.epoch, steps=self.steps)
+                                      epoch=self.epoch)
         self.prefetch.start_unless_deferred()
         attempt = current_attempt()
         if attempt is not None and attempt.claims(self.owner):  # the node cache's high water so far
@@ -211,7 +211,8 @@ class EpochIterator:
         self.cursor.advance(task.step)
         if timings.dataset_state is not None:  # the dataset's state as this batch left it
             self.cursor.dataset_state = timings.dataset_state
-        self.recorder.record(task, timings, fetch_seconds, queue_depth)
+        self.recorder.record(timings, step=self.epoch * self.steps + task.step + 1, samples=task.size,
+                             padded=task.padded, fetch_seconds=fetch_seconds, queue_depth=queue_depth)
         return batch
 
     def _fetch(self) -> tuple[BatchTask, Any, Any, int]:

@@ -51,6 +51,7 @@ from shardloader.loader.loader import _LIVE_LOADERS, Loader
 from shardloader.loader.mapstyle import _identity
 from shardloader.loader.pinning import pins
 from shardloader.loader.pool_keeper import PoolKeeper
+from shardloader.loader.recording import make_stats
 from shardloader.loader.state import (
     fingerprint_differences,
     make_state,
@@ -82,8 +83,8 @@ class IterableLoader(Loader):
     `multiprocessing_context`. Refused, as DataLoader refuses them, with its message:
     `shuffle=True`, `sampler=`, `batch_sampler=`; refused because they are the map-style
     order's: `transform=`, `tail=` other than DataLoader's, `partitions=`, `window=`, and
-    `worker_type="thread"` with workers (threads cannot have one dataset copy each);
-    `telemetry=` (no records for an iterable dataset yet).
+    `worker_type="thread"` with workers (threads cannot have one dataset copy each).
+    `telemetry=` and `stats()` as the Loader's: a record per batch (see `iterable_pass`).
 
     `len(loader)` is DataLoader's: from `len(dataset)` (TypeError without one). Each
     `iter()` is a new pass, every worker iterating from its start, except the first after
@@ -131,7 +132,7 @@ class IterableLoader(Loader):
         check_iterable_arguments(shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
                                  transform=transform, transform_version=transform_version,
                                  tail=tail, drop_last=drop_last, partitions=partitions,
-                                 window=window, telemetry=telemetry, worker_type=worker_type,
+                                 window=window, worker_type=worker_type,
                                  num_workers=num_workers)
         check_dataloader_arguments(batch_size=batch_size, in_order=in_order,
                                    pin_memory_device=pin_memory_device)  # batch_size=None: unbatched
@@ -161,7 +162,9 @@ class IterableLoader(Loader):
         self.prefetch_factor = prefetch_factor
         self.persistent_workers = persistent_workers
         self.pin_memory = pin_memory
-        self.transform = self.transform_version = self.telemetry = None
+        self.transform = self.transform_version = None
+        self.telemetry = telemetry
+        self._stats = make_stats()
         # DataLoader's defaults: default_collate batched, default_convert unbatched.
         self.collate_fn = collate_fn if collate_fn is not None else (
             default_convert if batch_size is None else collate)
@@ -199,7 +202,12 @@ class IterableLoader(Loader):
                         f"its own: the dataset's iteration is the order (and an epoch's length "
                         f"is known only at its end)")
 
-    num_samples = samples_per_epoch = step = property(_map_style_only)  # type: ignore[assignment]
+    num_samples = samples_per_epoch = property(_map_style_only)  # type: ignore[assignment]
+
+    @property
+    def step(self) -> int:
+        """Batches delivered since epoch 0 began (the training step, restored by a resume)."""
+        return self._cursor.step
     tail_report = epoch_order = step_samples = _map_style_only  # type: ignore[assignment]
 
     @property
@@ -300,13 +308,14 @@ class IterableLoader(Loader):
         except TypeError:
             length = None
         iterator = IterablePass(self, self._cursor, self._workers, pin_memory=pins(self.pin_memory),
-                                length=length)
+                                length=length, rank=self.rank, stats=self._stats,
+                                telemetry=self.telemetry)
         self._active = weakref.ref(iterator)  # type: ignore[assignment]
         return iterator
 
     def stats(self) -> dict[str, Any]:
-        """Nothing yet: an iterable dataset's batches are not recorded."""
-        return {}
+        """Telemetry summary of the batches delivered so far (see shardloader.telemetry)."""
+        return self._stats.summary() if self._stats is not None else {}
 
     def close(self, timeout: float = CLOSE_SECONDS) -> None:
         """Stop the workers within about `timeout` seconds; idempotent. The position is kept."""
@@ -319,7 +328,7 @@ class IterableLoader(Loader):
 
 def check_iterable_arguments(*, shuffle: Any, sampler: Any, batch_sampler: Any, transform: Any,
                              transform_version: Any, tail: Any, drop_last: bool, partitions: Any,
-                             window: Any, telemetry: Any, worker_type: str, num_workers: int) -> None:
+                             window: Any, worker_type: str, num_workers: int) -> None:
     """Refuse, with DataLoader's messages where DataLoader refuses them, the arguments an
     iterable dataset's Loader does not take."""
     for name, value in (("shuffle", shuffle), ("sampler", sampler), ("batch_sampler", batch_sampler)):
@@ -336,8 +345,6 @@ def check_iterable_arguments(*, shuffle: Any, sampler: Any, batch_sampler: Any, 
     if partitions is not None or window is not None:
         raise ValueError("partitions= and window= shape the Loader's own shuffle; an iterable "
                          "dataset's iteration is its order")
-    if telemetry is not None:
-        raise ValueError("telemetry= is not supported for an iterable dataset yet: leave it out")
     if worker_type == "thread" and num_workers > 0:
         raise ValueError("worker_type='thread' cannot read an iterable dataset: each worker "
                          "iterates its own copy of it, which threads cannot have; use "

@@ -10,21 +10,30 @@ answers out in it, as DataLoader does with the same prefetch.
 
 `IterableCursor` is the pass's whole resumable state, per worker as torchdata's
 StatefulDataLoader keeps it: how many batches each worker has delivered, its dataset's state
-as of the last of them, whether its split has ended, and whose turn is next.
+as of the last of them, whether its split has ended, and whose turn is next; and the batches
+delivered in earlier epochs, so that the training step (`step`: telemetry's, `loader.step`)
+goes on counting across epochs and restarts although an epoch's length is known only at its end.
+
+Each delivered batch is recorded (`loader.recording.BatchRecorder`, as the map-style epoch's):
+`fetch_seconds` in `next()`, the worker's `read_seconds` (in the dataset's iterator) and
+`transform_seconds` (the collate); the cache fields stay 0, as there is no shard source.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardloader.loader.batches import BatchTask
+from shardloader.loader.batches import BatchTask, BatchTimings
 from shardloader.loader.cursor import check_iterator
 from shardloader.loader.failures import BatchFailure
 from shardloader.loader.iterable_workers import WorkerBatch, start_of
 from shardloader.loader.pinning import pin_batch
 from shardloader.loader.pool_keeper import PoolKeeper
+from shardloader.loader.protocol import NO_SHARD_SOURCE
+from shardloader.loader.recording import BatchRecorder
 from shardloader.loader.workers.pool import CLOSE_SECONDS
 
 #: How long a pass that failed waits for its workers to stop before terminating them.
@@ -51,6 +60,7 @@ class IterableCursor:
 
     workers: int  # max(1, num_workers): with none, the training process is worker 0
     epoch: int = 0
+    steps_before: int = 0  # batches delivered before the current epoch (all epochs so far)
     positions: list[WorkerPosition] = field(default_factory=list)
     next_worker: int = 0
     restored: bool = False
@@ -70,6 +80,11 @@ class IterableCursor:
         return sum(p.batches for p in self.positions)
 
     @property
+    def step(self) -> int:
+        """Batches delivered since epoch 0 began: the training step."""
+        return self.steps_before + self.delivered
+
+    @property
     def epoch_finished(self) -> bool:
         """Every worker's split has ended (seen at their turns) while the epoch is current."""
         return all(p.ended for p in self.positions)
@@ -79,18 +94,21 @@ class IterableCursor:
 
     def move_to(self, epoch: int) -> None:
         self.epoch, self.restored = epoch, False
+        self.steps_before += self.delivered
         self.reset()
         self.invalidate()
 
     def restore(self, epoch: int, section: dict[str, Any]) -> None:
         """Continue at a saved state's `iterable` section (validated) with the next pass."""
         self.epoch, self.restored = epoch, True
+        self.steps_before = section.get("steps_before", 0)  # a state saved before it was kept
         self.positions = [WorkerPosition(w["batches"], w["ended"], w["state"]) for w in section["workers"]]
         self.next_worker = section["next_worker"]
         self.invalidate()
 
     def to_dict(self) -> dict[str, Any]:
-        return {"next_worker": self.next_worker, "workers": [p.to_dict() for p in self.positions]}
+        return {"next_worker": self.next_worker, "steps_before": self.steps_before,
+                "workers": [p.to_dict() for p in self.positions]}
 
     def start_iteration(self) -> None:
         """A pass begins: where it was restored right after `restore`, else from the start."""
@@ -122,6 +140,7 @@ class IterableCursor:
 
     def finish_epoch(self) -> None:
         self.epoch, self.restored = self.epoch + 1, False
+        self.steps_before += self.delivered
         self.reset()
 
 
@@ -131,8 +150,9 @@ class IterablePass:
     workers, as the map-style `EpochIterator` does."""
 
     def __init__(self, owner: object, cursor: IterableCursor, workers: PoolKeeper, *,
-                 pin_memory: bool, length: int | None) -> None:
+                 pin_memory: bool, length: int | None, rank: int, stats: Any, telemetry: Any) -> None:
         self.owner = owner
+        self.rank, self.stats, self.telemetry = rank, stats, telemetry
         self.cursor = cursor
         self.workers = workers
         self.pin_memory = pin_memory
@@ -156,6 +176,8 @@ class IterablePass:
         self.pool = self.workers.get()
         self.pool.discard_pending()
         self.in_flight: deque[tuple[BatchTask, int]] = deque()
+        self.recorder = BatchRecorder(self.stats, self.telemetry, NO_SHARD_SOURCE, rank=self.rank,
+                                      epoch=self.cursor.epoch)
         self.turn = self.cursor.next_worker  # the worker the next submission goes to
         self.begun: set[int] = set()  # workers sent this pass's start
         self.submitted = 0
@@ -182,10 +204,11 @@ class IterablePass:
 
     def __next__(self) -> Any:
         check_iterator(self, "pass")
+        start = time.perf_counter()
         try:
             if not self.started:
                 self._start()
-            answer = self._fetch()
+            answer, timings, queue_depth = self._fetch()
         except StopIteration:
             self.finish()
             self.ended = True
@@ -197,27 +220,32 @@ class IterablePass:
             raise
         if isinstance(answer, BatchFailure):  # the dataset's error: this batch is consumed
             raise answer.error
-        return pin_batch(answer) if self.pin_memory else answer
+        batch = pin_batch(answer.batch) if self.pin_memory else answer.batch
+        self.recorder.record(timings, step=self.cursor.step, samples=answer.samples, padded=0,
+                             fetch_seconds=time.perf_counter() - start, queue_depth=queue_depth)
+        return batch
 
-    def _fetch(self) -> Any:
-        """The next batch in DataLoader's order (or the failure in its place); StopIteration
+    def _fetch(self) -> tuple[Any, BatchTimings, int]:
+        """The next worker answer in DataLoader's order (or the failure in its place), its
+        worker's timings, and how many answers were ready when it was asked for; StopIteration
         when every worker's split has ended."""
         while self.in_flight:
             task, worker = self.in_flight.popleft()
-            answer, _timings = self.pool.get(task.task_id)
+            queue_depth = self.pool.ready()
+            answer, timings = self.pool.get(task.task_id)
             if self.cursor.positions[worker].ended:
                 continue  # sent before its worker was found ended: DataLoader skips it too
             if isinstance(answer, BatchFailure):
                 self.cursor.advance(worker, None)
                 self._submit_next()
-                return answer
+                return answer, timings, queue_depth
             if answer.ended:
                 self.cursor.end(worker)
                 self._submit_next()
                 continue
             self.cursor.advance(worker, answer)
             self._submit_next()
-            return answer.batch
+            return answer, timings, queue_depth
         raise StopIteration
 
     def finish(self, error: bool = False, release: bool = True, timeout: float | None = None) -> None:

@@ -18,7 +18,9 @@ One pass of the dataset in one worker:
   collates them, as DataLoader's `_IterableDatasetFetcher`: a short last batch, or none with
   `drop_last`; after the iterator ends every task answers `ended`;
 - each answer is a `WorkerBatch`: the batch, the dataset's `state_dict()` right after it (for
-  a dataset that has one), and whether the worker's split has ended.
+  a dataset that has one), and whether the worker's split has ended; with `BatchTimings` whose
+  `read_seconds` is the time spent in the dataset's iterator (its own reading and decoding)
+  and `transform_seconds` the collate's.
 
 `worker_init_fn(worker_id)` runs once in each worker process, before its first pass begins, as
 DataLoader runs it (a dataset that splits its range there, as torch's documentation shows, is
@@ -50,11 +52,12 @@ class StatefulDataset(Protocol):
 class WorkerBatch(NamedTuple):
     """A worker's answer to one task. `state`: the dataset's `state_dict()` after this batch
     (None for a dataset without state); `ended`: the worker's split has no batch left (then
-    `batch` is None)."""
+    `batch` is None); `samples`: how many the batch holds (its telemetry record's)."""
 
     batch: Any
     state: dict[str, Any] | None
     ended: bool
+    samples: int = 0
 
 
 class IterableProducer:
@@ -99,7 +102,7 @@ class IterableProducer:
             return WorkerBatch(None, self._state(), True), timings
         batch = self.collate_fn(samples[0] if self.batch_size is None else samples)
         timings.figures["transform_seconds"] = time.perf_counter() - t1
-        return WorkerBatch(batch, self._state(), False), timings
+        return WorkerBatch(batch, self._state(), False, len(samples)), timings
 
     def _begin(self, start: dict[str, Any]) -> None:
         """A new pass: restore the dataset's state or fast-forward, as `start` says."""

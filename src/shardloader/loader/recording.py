@@ -27,7 +27,7 @@ import time
 import weakref
 from typing import Any
 
-from shardloader.loader.batches import BatchTask, BatchTimings
+from shardloader.loader.batches import BatchTimings
 from shardloader.source.protocol import (
     BATCH_COUNTERS,
     ShardSource,
@@ -50,16 +50,15 @@ def make_stats() -> Any:
 
 
 class BatchRecorder:
-    """Records the batches of one epoch of one rank (`steps` batches per epoch)."""
+    """Records the batches of one epoch (or an iterable dataset's pass) of one rank."""
 
-    def __init__(self, stats: Any, telemetry: Any, source: ShardSource, *, rank: int, epoch: int,
-                 steps: int) -> None:
+    def __init__(self, stats: Any, telemetry: Any, source: ShardSource, *, rank: int,
+                 epoch: int) -> None:
         self.stats = stats
         self.telemetry = telemetry
         self.source = source
         self.rank = rank
         self.epoch = epoch
-        self.steps = steps
         # A source that counts nothing (a local one: zeros) gives no delta to take per batch.
         self._counts_locally = source.counts_reads
         self._counters_seen = source.counters() if self._counts_locally else {}
@@ -69,8 +68,11 @@ class BatchRecorder:
         #: A Mixture's figures per source for the last batch, for the job's account.
         self._job_sources: dict[str, dict[str, float]] | None = None
 
-    def record(self, task: BatchTask, timings: BatchTimings, fetch_seconds: float, queue_depth: int) -> None:
-        """Record the batch of `task`, delivered now after `fetch_seconds` in `next()`."""
+    def record(self, timings: BatchTimings, *, step: int, samples: int, padded: int,
+               fetch_seconds: float, queue_depth: int) -> None:
+        """Record a batch delivered now after `fetch_seconds` in `next()`: training step `step`
+        (counted from 1), `samples` of them padding `padded`, measured by its worker as
+        `timings`."""
         stats, telemetry = self.stats, self.telemetry
         self._worker_job = (timings.figures.get("bytes_downloaded", 0), timings.extra)
         self._job_sources = timings.by_source or None
@@ -80,8 +82,8 @@ class BatchRecorder:
             stats.add_by_source(timings.by_source)
         values = {
             **timings.figures,
-            "step": self.epoch * self.steps + task.step + 1, "epoch": self.epoch,
-            "rank": self.rank, "samples": task.size, "padded": task.padded,
+            "step": step, "epoch": self.epoch,
+            "rank": self.rank, "samples": samples, "padded": padded,
             "fetch_seconds": fetch_seconds, "time": time.time(), "queue_depth": queue_depth,
         }
         if self._counts_locally:  # this process's reads and downloads since the last batch

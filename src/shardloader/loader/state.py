@@ -143,6 +143,10 @@ def validate_iterable(state: dict[str, Any], num_workers: int) -> dict[str, Any]
     if not isinstance(turn, int) or isinstance(turn, bool) or not 0 <= turn < workers:
         raise StateError(f"loader state field 'iterable.next_worker' must be a worker id below "
                          f"{workers}, got {turn!r}")
+    steps_before = section.get("steps_before", 0)  # absent from states saved before it was kept
+    if not isinstance(steps_before, int) or isinstance(steps_before, bool) or steps_before < 0:
+        raise StateError(f"loader state field 'iterable.steps_before' must be a non-negative "
+                         f"integer, got {steps_before!r}")
     for i, worker in enumerate(per_worker):
         where = f"loader state field 'iterable.workers[{i}]'"
         if not isinstance(worker, dict):
