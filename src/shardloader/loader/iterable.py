@@ -208,6 +208,7 @@ class IterableLoader(Loader):
     def step(self) -> int:
         """Batches delivered since epoch 0 began (the training step, restored by a resume)."""
         return self._cursor.step
+
     tail_report = epoch_order = step_samples = _map_style_only  # type: ignore[assignment]
 
     @property
