@@ -273,7 +273,7 @@ class Loader(Generic[T_co]):
         self.sampler, self.batch_sampler = order_views(kind, given, self, batch_size, self.drop_last)
         self._initialized = True  # from here on, READ_ONLY_ATTRIBUTES are
         _LIVE_LOADERS.add(self)
-        warm_first_batch(self._data, self._plan, self._cursor, self._plan.global_steps, self._workers)  # cold start
+        warm_first_batch(self._data, self._plan, self._cursor, self._workers)  # cold start
 
     def __setattr__(self, name: str, value: Any) -> None:
         initialized = self.__dict__.get("_initialized", False)
@@ -395,7 +395,7 @@ class Loader(Generic[T_co]):
         load_order_state(*self._order, self._plan, state.get("sampler"), state["epoch"], position,
                          self._cursor.next_step)
         restore_dataset_state(self._data, self._cursor, self._workers, state.get("dataset"))
-        warm_first_batch(self._data, self._plan, self._cursor, self._plan.global_steps, self._workers)  # its first batch's
+        warm_first_batch(self._data, self._plan, self._cursor, self._workers)  # its first batch's
         attempt = current_attempt()
         if attempt is not None:  # where this attempt's training resumes, for the job's account
             attempt.note_cursor(self, state["epoch"] * length + position)

@@ -117,8 +117,7 @@ class EpochPrefetch:
             self.handle.stop(timeout)
 
 
-def warm_first_batch(dataset: LoaderDataset, plan: StepPlan, cursor: Cursor, steps: int,
-                     workers: PoolKeeper) -> None:
+def warm_first_batch(dataset: LoaderDataset, plan: StepPlan, cursor: Cursor, workers: PoolKeeper) -> None:
     """Start fetching, in the background, what the next iteration's first batch reads by range,
     so that a cold start's requests overlap what the script does before it iterates (building
     its model, its optimizer, loading a checkpoint: seconds in most jobs). The Loader calls it
@@ -141,7 +140,7 @@ def warm_first_batch(dataset: LoaderDataset, plan: StepPlan, cursor: Cursor, ste
     if not dataset.source.reads_by_range:
         return
     where = cursor.next_start
-    if where[1] >= steps:
+    if where[1] >= plan.global_steps:  # restored at an epoch's end: no first batch to fetch
         return
 
     def still_first() -> bool:

@@ -35,11 +35,11 @@ background thread started when the Loader is made (`shardloader.loader.prefetch_
 warm_first_batch`; only its sidecars, `warm(first_batch=True)`, where workers are spawned), so
 that its rounds overlap what the script does before it iterates; primes run one at a time, so
 the priming at `iter()` waits for that one and finds its spans kept. What is fetched for the
-first batch reaches the node cache only once the batch is out (`release_held`), so that it waits for no commit. After the fork a
-background thread of the training process fetches the sidecars of the next batches' shards
-(`warm`) for the workers to find on the node; a worker that needs a sidecar the thread is
-fetching waits for that fetch (the sidecar's download lock) instead of fetching it again, and
-fetches what is not on the node itself. A background fetch that fails is never taken for "read
+first batch reaches the node cache only once the batch is out (`release_held`), so that it
+waits for no commit. After the fork a background thread of the training process fetches the
+sidecars of the next batches' shards (`warm`) for the workers to find on the node; a worker
+that needs a sidecar the thread is fetching waits for that fetch (the sidecar's download lock)
+instead of fetching it again, and fetches what is not on the node itself. A background fetch that fails is never taken for "read
 that shard whole": the read that needs the sidecar fetches it again, and raises what is not
 transient (see `_states`).
 
