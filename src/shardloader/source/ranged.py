@@ -39,9 +39,9 @@ first batch reaches the node cache only once the batch is out (`release_held`), 
 waits for no commit. After the fork a background thread of the training process fetches the
 sidecars of the next batches' shards (`warm`) for the workers to find on the node; a worker
 that needs a sidecar the thread is fetching waits for that fetch (the sidecar's download lock)
-instead of fetching it again, and fetches what is not on the node itself. A background fetch that fails is never taken for "read
-that shard whole": the read that needs the sidecar fetches it again, and raises what is not
-transient (see `_states`).
+instead of fetching it again, and fetches what is not on the node itself. A background fetch
+that fails is never taken for "read that shard whole": the read that needs the sidecar fetches
+it again, and raises what is not transient (see `_states`).
 
 Bounds. Per node and shard, reads by range fetch at most `budget` (a fraction of the shard's
 size), counted for every process that shares the node cache (`shardloader.cache.range_spend`);
